@@ -1,0 +1,1 @@
+"""Checkpoint converters: HF safetensors <-> Orbax, per-architecture name/layout maps."""

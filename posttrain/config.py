@@ -1,0 +1,411 @@
+"""The recipe schema: the single source of truth for every key a recipe may hold.
+
+A recipe is YAML; `RunConfig` is its schema (pydantic, frozen, unknown keys forbidden) and holds
+every default. `load_recipe` reads a file, applies dotted command-line overrides
+(`optimizer.learning_rate=1e-4`, values parsed as YAML scalars) and returns one `RunConfig` per
+stage: a recipe either is one run, or holds `stages:` (a list of partial recipes merged over the
+shared top-level keys, run in order, each starting from the previous stage's final checkpoint).
+
+Every user mistake becomes a `UserError` whose message names the key path and, for a typo, the
+closest valid key. The CLI turns it into exit status 2.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from posttrain.errors import UserError
+from posttrain.models.config import PRESETS, ModelConfig
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# ----------------------------------------------------------------------------------------------
+# sections
+# ----------------------------------------------------------------------------------------------
+class LoraConfig(Strict):
+    rank: int = Field(0, ge=0, description="0 disables LoRA (full fine-tuning)")
+    alpha: float = 16.0
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # Regex over module paths (qwix's module_path), e.g. q_proj|v_proj.
+    target_modules: str = ".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    int8_base: bool = False
+
+
+class ModelSection(Strict):
+    path: str | None = Field(None, description="HF safetensors dir or Orbax checkpoint to start from")
+    preset: str | None = Field(None, description="named preset, e.g. qwen3_8b")
+    config: ModelConfig | None = Field(None, description="explicit architecture (from scratch)")
+    scan_layers: bool = True
+    remat: Literal["none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_out_proj"] = "none"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    quantization: Literal["none", "int8"] = "none"
+    lora: LoraConfig = LoraConfig()
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSection":
+        if self.preset is not None and self.preset not in PRESETS:
+            close = difflib.get_close_matches(self.preset, PRESETS, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f" (known: {', '.join(PRESETS)})"
+            raise ValueError(f"unknown preset {self.preset!r}{hint}")
+        if sum(x is not None for x in (self.preset, self.config)) > 1:
+            raise ValueError("give at most one of model.preset and model.config")
+        return self
+
+
+class GeneratedData(Strict):
+    """Data the code generates (no download): arithmetic problems 'What is a + b?'."""
+
+    kind: Literal["arithmetic"] = "arithmetic"
+    num_train: int = Field(20000, gt=0)
+    num_eval: int = Field(500, gt=0)
+    max_operand: int = Field(99, gt=0)
+    seed: int = 0
+
+
+class DataSection(Strict):
+    source: str = Field("generated", description="'generated', a jsonl/parquet file, a saved "
+                        "datasets dir, or a cached hub dataset name")
+    eval_source: str | None = None
+    format: Literal["text", "messages", "prompt_completion"] = "text"
+    generated: GeneratedData = GeneratedData()
+    seq_len: int = Field(256, gt=1)
+    pack: bool = True
+    loss_on: Literal["assistant", "all", "last_turn"] = "assistant"
+    truncation: Literal["right", "left", "drop"] = "right"
+    shuffle_seed: int = 0
+    skip_bad_rows: bool = False
+
+
+class TokenizerSection(Strict):
+    path: str | None = Field(None, description="HF tokenizer dir; default: model.path")
+    train_vocab_size: int = Field(512, gt=32, description="BPE vocab when trained on the data")
+
+
+class OptimizerSection(Strict):
+    name: Literal["adamw"] = "adamw"
+    learning_rate: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    grad_clip: float | None = Field(1.0, gt=0)
+
+
+class TrainSection(Strict):
+    steps: int = Field(100, gt=0)
+    batch_size: int = Field(16, gt=0, description="sequences per optimizer step (global)")
+    grad_accum: int = Field(1, gt=0)
+    eval_every: int = Field(0, ge=0, description="0 disables periodic eval")
+    eval_batches: int = Field(4, gt=0)
+    log_every: int = Field(10, gt=0)
+    seed: int = 0
+
+
+class CheckpointSection(Strict):
+    every: int = Field(0, ge=0, description="0: only the final checkpoint")
+    keep: int = Field(2, gt=0)
+    async_save: bool = True
+    resume: bool = True
+
+
+class WandbSection(Strict):
+    enabled: bool = True
+    mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    project: str = "posttrain"
+    entity: str | None = None
+    name: str | None = None
+    tags: list[str] = []
+
+
+class TrackingSection(Strict):
+    console: bool = True
+    wandb: WandbSection = WandbSection()
+
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+
+class MeshAxes(Strict):
+    data: int = 1
+    fsdp: int = Field(-1, description="-1: all devices left over")
+    tensor: int = 1
+    expert: int = 1
+
+
+DEFAULT_RULES: list[tuple[str, str | list[str] | None]] = [
+    ("batch", ["data", "fsdp"]),
+    ("activation_length", None),
+    ("activation_embed", "tensor"),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("layers", None),
+    ("norm", None),
+    ("expert", "expert"),
+]
+
+
+class MeshSection(Strict):
+    ici: MeshAxes = MeshAxes()
+    dcn: MeshAxes = MeshAxes(fsdp=1)
+    rules: list[tuple[str, str | list[str] | None]] = DEFAULT_RULES
+
+
+class RunConfig(Strict):
+    name: str = "run"
+    algorithm: Literal["pretrain", "sft", "grpo"] = "pretrain"
+    run_dir: str = "runs/run"
+    seed: int = 0
+    model: ModelSection = ModelSection()
+    tokenizer: TokenizerSection = TokenizerSection()
+    data: DataSection = DataSection()
+    optimizer: OptimizerSection = OptimizerSection()
+    train: TrainSection = TrainSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    tracking: TrackingSection = TrackingSection()
+    mesh: MeshSection = MeshSection()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# loading: YAML + overrides -> validated configs, with errors that name the key
+# ----------------------------------------------------------------------------------------------
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a","b","c"], value parsed as a YAML scalar)."""
+    if "=" not in item:
+        raise UserError(f"override {item!r}: expected key.sub=value")
+    key, raw = item.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise UserError(f"override {item!r}: empty key segment")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise UserError(f"override {key}: cannot parse value {raw!r}: {e}") from None
+    return key.split("."), value
+
+
+def set_dotted(tree: dict, path: list[str], value: Any) -> None:
+    node: Any = tree
+    for i, part in enumerate(path[:-1]):
+        if isinstance(node, list):
+            node = node[_list_index(node, part, path[: i + 1])]
+            continue
+        if node.get(part) is None:
+            node[part] = {}
+        node = node[part]
+        if not isinstance(node, dict | list):
+            raise UserError(f"override {'.'.join(path)}: {'.'.join(path[: i + 1])} is not a section")
+    last = path[-1]
+    if isinstance(node, list):
+        node[_list_index(node, last, path)] = value
+    else:
+        node[last] = value
+
+
+def _list_index(node: list, part: str, path: list[str]) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise UserError(f"override {'.'.join(path)}: {part!r} is not an index of a {len(node)}-item list")
+    return int(part)
+
+
+def deep_merge(base: dict, top: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def _valid_keys(model_cls: type[BaseModel], loc: tuple) -> list[str]:
+    """The field names valid at `loc` (the parent of an unknown key) in the schema."""
+    cls: Any = model_cls
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = cls.model_fields.get(part) if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+        if field is None:
+            return []
+        ann = field.annotation
+        # unwrap Optional[X] / X | None
+        for arg in getattr(ann, "__args__", ()) or ():
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                ann = arg
+        cls = ann
+    if isinstance(cls, type) and issubclass(cls, BaseModel):
+        return list(cls.model_fields)
+    return []
+
+
+def format_validation_error(err: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        path = prefix + ".".join(str(p) for p in loc)
+        if e["type"] == "extra_forbidden":
+            parent, key = loc[:-1], str(loc[-1])
+            close = difflib.get_close_matches(key, _valid_keys(RunConfig, parent), n=1, cutoff=0.6)
+            where = prefix + ".".join(str(p) for p in parent)
+            hint = f"; did you mean {where + '.' if where else ''}{close[0]}?" if close else ""
+            lines.append(f"{path}: unknown key{hint}")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            got = e.get("input")
+            shown = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
+            lines.append(f"{path or '<recipe>'}: {msg}{shown}")
+    return "; ".join(lines)
+
+
+def validate_tree(tree: dict, prefix: str = "") -> RunConfig:
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        raise UserError(format_validation_error(e, prefix)) from None
+
+
+def read_yaml(path: str | os.PathLike) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{path}: recipe file not found")
+    try:
+        tree = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"{path}:{where}: malformed YAML: {problem}") from None
+    if tree is None:
+        tree = {}
+    if not isinstance(tree, dict):
+        raise UserError(f"{path}: a recipe must be a mapping of keys, got {type(tree).__name__}")
+    return tree
+
+
+def load_recipe(path: str | os.PathLike, overrides: list[str] = ()) -> list[RunConfig]:
+    """Read a recipe, apply overrides, and return the validated config of every stage."""
+    tree = read_yaml(path)
+    for item in overrides:
+        key, value = parse_override(item)
+        set_dotted(tree, key, value)
+    return resolve_stages(tree)
+
+
+def resolve_stages(tree: dict) -> list[RunConfig]:
+    stages = tree.pop("stages", None)
+    base = validate_tree(tree)
+    if stages is None:
+        return [base]
+    if not isinstance(stages, list) or not stages:
+        raise UserError("stages: must be a non-empty list of partial recipes")
+    out = []
+    for i, stage in enumerate(stages):
+        if not isinstance(stage, dict):
+            raise UserError(f"stages.{i}: must be a mapping of keys")
+        if "stages" in stage:
+            raise UserError(f"stages.{i}.stages: stages cannot nest")
+        merged = deep_merge(tree, stage)
+        merged.setdefault("name", f"stage{i}")
+        merged["run_dir"] = str(Path(base.run_dir) / merged["name"]) if "run_dir" not in stage else stage["run_dir"]
+        try:
+            out.append(RunConfig.model_validate(merged))
+        except ValidationError as e:
+            raise UserError(format_validation_error(e, prefix=f"stages.{i}.")) from None
+    names = [c.name for c in out]
+    if len(set(names)) != len(names):
+        raise UserError(f"stages: stage names must be unique, got {names}")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# cross-checks that need more than one key (posttrain validate; also run before every run)
+# ----------------------------------------------------------------------------------------------
+def mesh_shape(mesh: MeshSection, num_devices: int) -> dict[str, int]:
+    """Resolve -1 in `mesh.ici` and check that ici x dcn covers exactly `num_devices`."""
+    ici = mesh.ici.model_dump()
+    dcn = mesh.dcn.model_dump()
+    for name, axes in (("mesh.ici", ici), ("mesh.dcn", dcn)):
+        for ax, n in axes.items():
+            if n == 0 or n < -1:
+                raise UserError(f"{name}.{ax}: must be a positive size or -1 (got {n})")
+    if any(n == -1 for n in dcn.values()):
+        raise UserError("mesh.dcn: -1 is only allowed in mesh.ici")
+    hosts = 1
+    for n in dcn.values():
+        hosts *= n
+    if num_devices % hosts:
+        raise UserError(f"mesh.dcn: product {hosts} does not divide the {num_devices} devices")
+    per_host = num_devices // hosts
+    fill = [ax for ax, n in ici.items() if n == -1]
+    if len(fill) > 1:
+        raise UserError(f"mesh.ici: at most one axis may be -1 (got {', '.join(fill)})")
+    known = 1
+    for n in ici.values():
+        known *= n if n != -1 else 1
+    if fill:
+        if per_host % known:
+            raise UserError(f"mesh.ici: fixed axes (product {known}) do not divide the "
+                            f"{per_host} devices per host")
+        ici[fill[0]] = per_host // known
+    elif known != per_host:
+        raise UserError(f"mesh.ici: product {known} x dcn {hosts} = {known * hosts} does not "
+                        f"match the {num_devices} devices")
+    return {ax: ici[ax] * dcn[ax] for ax in MESH_AXES}
+
+
+def cross_check(cfg: RunConfig, num_devices: int, *, produced_by_earlier_stage: bool = False,
+                prefix: str = "") -> dict[str, int]:
+    """Checks that span keys. Returns the resolved mesh shape."""
+    shape = mesh_shape(cfg.mesh, num_devices)
+    t = cfg.train
+    if t.batch_size % t.grad_accum:
+        raise UserError(f"{prefix}train.batch_size: {t.batch_size} is not divisible by "
+                        f"train.grad_accum ({t.grad_accum})")
+    micro = t.batch_size // t.grad_accum
+    batch_shards = shape["data"] * shape["fsdp"]
+    if micro % batch_shards:
+        raise UserError(f"{prefix}train.batch_size: the micro-batch ({micro} = batch_size / "
+                        f"grad_accum) is not divisible by the data x fsdp mesh size ({batch_shards})")
+    for key, value in (("data.source", cfg.data.source), ("data.eval_source", cfg.data.eval_source),
+                       ("tokenizer.path", cfg.tokenizer.path)):
+        if value and value != "generated" and _looks_like_path(value) and not Path(value).exists():
+            raise UserError(f"{prefix}{key}: {value}: no such file or directory")
+    if cfg.model.path and not produced_by_earlier_stage and _looks_like_path(cfg.model.path) \
+            and not Path(cfg.model.path).exists():
+        raise UserError(f"{prefix}model.path: {cfg.model.path}: no such file or directory")
+    if cfg.algorithm == "pretrain" and cfg.data.format != "text":
+        raise UserError(f"{prefix}data.format: pretrain trains on plain text (got {cfg.data.format})")
+    if cfg.algorithm != "pretrain" and cfg.model.path is None and not produced_by_earlier_stage:
+        raise UserError(f"{prefix}model.path: {cfg.algorithm} starts from a checkpoint; set model.path")
+    return shape
+
+
+def _looks_like_path(value: str) -> bool:
+    """Hub ids (org/name) are not local paths; anything with a suffix, ./ or / prefix is."""
+    return value.startswith(("/", "./", "../", "~")) or Path(value).suffix != "" or \
+        value.count("/") != 1
+
+
+def check_recipe(stages: list[RunConfig], num_devices: int) -> None:
+    for i, cfg in enumerate(stages):
+        prefix = f"stages.{i}." if len(stages) > 1 else ""
+        cross_check(cfg, num_devices, produced_by_earlier_stage=i > 0, prefix=prefix)

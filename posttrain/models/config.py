@@ -1,0 +1,143 @@
+"""Model configuration: the architecture hyper-parameters, and named presets for real sizes.
+
+A model receives this config, never the run config. Field names follow HF's `config.json` where
+one exists, so that `from_hf_config` / `to_hf_config` are near-identity maps, and the presets are
+checked against the published HF values in tests/models/test_presets.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class RopeScaling(BaseModel):
+    """Llama 3.1/3.2 `llama3` RoPE scaling (the only scaling these architectures publish)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    rope_type: Literal["llama3"] = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+class ModelConfig(BaseModel):
+    """Hyper-parameters of one decoder-only transformer (Qwen3 dense, Qwen3 MoE, Llama 3)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    arch: Literal["qwen3", "llama3"] = "qwen3"
+    vocab_size: int = Field(512, gt=0)
+    hidden_size: int = Field(256, gt=0)
+    intermediate_size: int = Field(768, gt=0)
+    num_hidden_layers: int = Field(4, gt=0)
+    num_attention_heads: int = Field(4, gt=0)
+    num_key_value_heads: int = Field(2, gt=0)
+    head_dim: int = Field(64, gt=0)
+    rope_theta: float = 1_000_000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 40960
+    # Implementation switches (not architecture): they never change the function computed.
+    scan_layers: bool = True
+    remat: Literal["none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_out_proj"] = "none"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> "ModelConfig":
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even (RoPE rotates pairs)")
+        return self
+
+    @property
+    def qk_norm(self) -> bool:
+        # Qwen3 normalises queries and keys per head before RoPE; Llama 3 does not.
+        return self.arch == "qwen3"
+
+    # ---- presets: named constructors for the published sizes --------------------------------
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+        ctor = PRESETS.get(name)
+        if ctor is None:
+            raise KeyError(name)
+        return ctor().model_copy(update=overrides)
+
+    @classmethod
+    def qwen3(cls, hidden, inter, layers, heads, kv, tie, **kw) -> "ModelConfig":
+        return cls(arch="qwen3", vocab_size=151936, hidden_size=hidden, intermediate_size=inter,
+                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                   head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                   tie_word_embeddings=tie, max_position_embeddings=40960, **kw)
+
+    @classmethod
+    def llama3(cls, hidden, inter, layers, heads, kv, tie, factor, head_dim=128) -> "ModelConfig":
+        return cls(arch="llama3", vocab_size=128256, hidden_size=hidden, intermediate_size=inter,
+                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                   head_dim=head_dim, rope_theta=500_000.0, rms_norm_eps=1e-5,
+                   tie_word_embeddings=tie, max_position_embeddings=131072,
+                   rope_scaling=RopeScaling(factor=factor))
+
+    # ---- HF config.json <-> ModelConfig ---------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any], **overrides: Any) -> "ModelConfig":
+        model_type = hf.get("model_type")
+        arch = {"qwen3": "qwen3", "llama": "llama3"}.get(model_type)
+        if arch is None:
+            raise ValueError(f"unsupported HF model_type {model_type!r} (supported: qwen3, llama)")
+        scaling = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})
+        rope_theta = hf.get("rope_theta", scaling.get("rope_theta", 10000.0))
+        rope_scaling = None
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+            rope_scaling = RopeScaling(
+                factor=scaling["factor"], low_freq_factor=scaling["low_freq_factor"],
+                high_freq_factor=scaling["high_freq_factor"],
+                original_max_position_embeddings=scaling["original_max_position_embeddings"])
+        return cls(
+            arch=arch, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"], num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=hf["num_attention_heads"],
+            num_key_value_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            rope_theta=rope_theta, rope_scaling=rope_scaling, rms_norm_eps=hf["rms_norm_eps"],
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            max_position_embeddings=hf.get("max_position_embeddings", 40960), **overrides)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        common = dict(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            rope_theta=self.rope_theta, rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            max_position_embeddings=self.max_position_embeddings, hidden_act="silu",
+            attention_bias=False, torch_dtype=self.param_dtype,
+        )
+        if self.arch == "qwen3":
+            return dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], **common)
+        scaling = self.rope_scaling.model_dump() if self.rope_scaling else None
+        return dict(model_type="llama", architectures=["LlamaForCausalLM"], mlp_bias=False,
+                    rope_scaling=scaling, **common)
+
+
+PRESETS = {
+    "qwen3_0_6b": lambda: ModelConfig.qwen3(1024, 3072, 28, 16, 8, True),
+    "qwen3_1_7b": lambda: ModelConfig.qwen3(2048, 6144, 28, 16, 8, True),
+    "qwen3_4b": lambda: ModelConfig.qwen3(2560, 9728, 36, 32, 8, True),
+    "qwen3_8b": lambda: ModelConfig.qwen3(4096, 12288, 36, 32, 8, False),
+    "qwen3_14b": lambda: ModelConfig.qwen3(5120, 17408, 40, 40, 8, False),
+    "qwen3_32b": lambda: ModelConfig.qwen3(5120, 25600, 64, 64, 8, False),
+    "llama3_2_1b": lambda: ModelConfig.llama3(2048, 8192, 16, 32, 8, True, 32.0, head_dim=64),
+    "llama3_2_3b": lambda: ModelConfig.llama3(3072, 8192, 28, 24, 8, True, 32.0),
+    "llama3_1_8b": lambda: ModelConfig.llama3(4096, 14336, 32, 32, 8, False, 8.0),
+    "llama3_1_70b": lambda: ModelConfig.llama3(8192, 28672, 80, 64, 8, False, 8.0),
+}

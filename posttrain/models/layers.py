@@ -1,0 +1,167 @@
+"""Shared transformer layers for every architecture in the zoo (Qwen3, Llama 3).
+
+Parameters are `nnx.Param`s whose metadata `logical_axes` names each dimension (`embed`, `mlp`,
+`heads`, ...); `posttrain.sharding` maps those names to mesh axes with the recipe's rules table, so
+no mesh appears in model code. Module and parameter names mirror the HF checkpoint names
+(`self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, ...) so converters are name maps plus a
+transpose. Matmuls go through `nnx.Linear`/`nnx.Embed`, which qwix knows how to LoRA-fy and quantize.
+
+Shapes: B batch, T query length, S key length, H query heads, K kv heads, G = H/K, D head dim,
+E hidden size, F MLP size, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from posttrain.models.config import ModelConfig
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# A large finite negative rather than -inf keeps fully-masked rows (padding queries) NaN-free.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _init(axes: tuple[str, ...], std: float = 0.02):
+    return nnx.with_metadata(nnx.initializers.normal(std), logical_axes=axes)
+
+
+def linear(cfg: ModelConfig, din: int, dout: int, axes: tuple[str, str], rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(din, dout, use_bias=False, kernel_init=_init(axes),
+                      param_dtype=DTYPES[cfg.param_dtype], dtype=DTYPES[cfg.compute_dtype],
+                      rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+    """HF's LlamaRMSNorm / Qwen3RMSNorm: normalise in f32, scale by `weight` in the input dtype."""
+
+    def __init__(self, dim: int, eps: float, param_dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * x32.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+    """Inverse frequencies of RoPE, with Llama 3's `llama3` scaling when configured."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    # Same arithmetic as transformers' _compute_llama3_parameters.
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    inv_l = jnp.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * inv_l / s.factor + smooth * inv_l
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return jnp.where(medium, smoothed, inv_l)
+
+
+def apply_rope(x_bthd: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """HF's rotate-half RoPE (non-interleaved halves), computed in f32."""
+    freqs = positions_bt[..., None].astype(jnp.float32) * inv_freq  # [B,T,D/2]
+    cos = jnp.cos(jnp.concatenate([freqs, freqs], -1))[:, :, None, :]
+    sin = jnp.sin(jnp.concatenate([freqs, freqs], -1))[:, :, None, :]
+    x = x_bthd.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x * cos + rotated * sin).astype(x_bthd.dtype)
+
+
+def attention_mask(q_pos_bt, q_seg_bt, k_pos_bs, k_seg_bs) -> jax.Array:
+    """[B,T,S]: a query sees keys of its own segment at positions <= its own. Segment 0 is padding.
+
+    Packed rows restart positions per segment, so segment equality keeps attention inside a
+    sequence; the KV cache stores each slot's position and segment so the same rule serves decode.
+    """
+    same = q_seg_bt[:, :, None] == k_seg_bs[:, None, :]
+    causal = k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]
+    return same & causal & (k_seg_bs[:, None, :] != 0)
+
+
+def dot_attention(q_bthd, k_bskd, v_bskd, mask_bts) -> jax.Array:
+    b, t, h, d = q_bthd.shape
+    k = k_bskd.shape[2]
+    q = q_bthd.reshape(b, t, k, h // k, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_bskd).astype(jnp.float32) / math.sqrt(d)
+    scores = jnp.where(mask_bts[:, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskd.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_bskd)
+    return out.reshape(b, t, h * d)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        e, h, k, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = linear(cfg, e, h * d, ("embed", "heads"), rngs)
+        self.k_proj = linear(cfg, e, k * d, ("embed", "kv_heads"), rngs)
+        self.v_proj = linear(cfg, e, k * d, ("embed", "kv_heads"), rngs)
+        self.o_proj = linear(cfg, h * d, e, ("heads", "embed"), rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, DTYPES[cfg.param_dtype])
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, DTYPES[cfg.param_dtype])
+        self.cfg = cfg
+
+    def __call__(self, x_bte, pos_bt, seg_bt, inv_freq, kv=None):
+        """kv: None (keys are this chunk) or (k_cache_bskd, v_cache_bskd, slot_pos_bs, slot_seg_bs)
+        already holding every slot except this chunk's, which are written at slot = position."""
+        cfg = self.cfg
+        b, t, _ = x_bte.shape
+        q = self.q_proj(x_bte).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+        k = self.k_proj(x_bte).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        v = self.v_proj(x_bte).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        q = checkpoint_name(q, "qkv_proj")
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, pos_bt, inv_freq)
+        k = apply_rope(k, pos_bt, inv_freq)
+        if kv is None:
+            keys, values, k_pos, k_seg, new_kv = k, v, pos_bt, seg_bt, None
+        else:
+            k_cache, v_cache, k_pos, k_seg = kv
+            rows = jnp.arange(b)[:, None]
+            # Slot index = position; out-of-range positions (padding past the cache) are dropped.
+            k_cache = k_cache.at[rows, pos_bt].set(k.astype(k_cache.dtype), mode="drop")
+            v_cache = v_cache.at[rows, pos_bt].set(v.astype(v_cache.dtype), mode="drop")
+            keys, values, new_kv = k_cache, v_cache, (k_cache, v_cache)
+        mask = attention_mask(pos_bt, seg_bt, k_pos, k_seg)
+        out = dot_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask)
+        out = self.o_proj(out)
+        return checkpoint_name(out, "out_proj"), new_kv
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        e, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = linear(cfg, e, f, ("embed", "mlp"), rngs)
+        self.up_proj = linear(cfg, e, f, ("embed", "mlp"), rngs)
+        self.down_proj = linear(cfg, f, e, ("mlp", "embed"), rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = DTYPES[cfg.param_dtype]
+        self.self_attn = Attention(cfg, rngs)
+        self.mlp = MLP(cfg, rngs)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+
+    def __call__(self, x, pos, seg, inv_freq, kv=None):
+        h, new_kv = self.self_attn(self.input_layernorm(x), pos, seg, inv_freq, kv)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, new_kv

@@ -1,0 +1,49 @@
+"""Builders for tiny local HF models (random weights, saved with save_pretrained)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def tiny_hf_config(arch: str = "qwen3", *, tie: bool = True, heads: int = 4, kv: int = 2,
+                   layers: int = 2, vocab: int = 256, hidden: int = 128, head_dim: int = 64,
+                   inter: int = 256, rope_scaling: bool = False):
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                  head_dim=head_dim, max_position_embeddings=512, tie_word_embeddings=tie,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "qwen3":
+        return Qwen3Config(rope_theta=10000.0, **common)
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64) if rope_scaling else None
+    return LlamaConfig(rope_theta=500000.0, rope_scaling=scaling, **common)
+
+
+def save_tiny_hf_model(path: Path, arch: str = "qwen3", seed: int = 0, **kw):
+    """Random tiny model saved as safetensors; returns the torch model (fp32, eval mode)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_hf_config(arch, **kw)
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).eval()
+    # HF initialises norms to 1; randomise them so that a missed norm would show in the logits.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def torch_logits(model, ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(ids),
+                    attention_mask=None if mask is None else torch.tensor(mask))
+    return out.logits.float().numpy()
