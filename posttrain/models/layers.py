@@ -20,9 +20,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from posttrain.models.config import ModelConfig
+from posttrain.sharding import constrain
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # A large finite negative rather than -inf keeps fully-masked rows (padding queries) NaN-free.
+ACT_AXES = ("batch", "activation_length", "activation_embed")
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
@@ -164,4 +166,4 @@ class DecoderLayer(nnx.Module):
         h, new_kv = self.self_attn(self.input_layernorm(x), pos, seg, inv_freq, kv)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, new_kv
+        return constrain(x, ACT_AXES), new_kv

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posttrain.models.config import ModelConfig
-from posttrain.models.layers import DTYPES, DecoderLayer, RMSNorm, _init, rope_inv_freq
+from posttrain.sharding import constrain
+from posttrain.models.layers import ACT_AXES, DTYPES, DecoderLayer, RMSNorm, _init, rope_inv_freq
 
 REMAT_POLICIES = {
     "none": None,
@@ -70,7 +71,7 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens_bt, pos_bt, seg_bt, cache: KVCache | None = None):
         cfg = self.cfg
-        x = self.embed_tokens(tokens_bt).astype(DTYPES[cfg.compute_dtype])
+        x = constrain(self.embed_tokens(tokens_bt).astype(DTYPES[cfg.compute_dtype]), ACT_AXES)
         inv_freq = rope_inv_freq(cfg)
         if cache is not None:
             rows = jnp.arange(tokens_bt.shape[0])[:, None]
@@ -96,11 +97,17 @@ class Decoder(nnx.Module):
 
             x, new_kv = jax.lax.scan(scan_body, x, (state, kv_l))
         else:
+            # Unrolled: call each layer object itself (qwix attaches LoRA params to it).
+            def call(layer, x, kv):
+                kv_in = None if kv is None else (kv[0], kv[1], cache.pos, cache.seg)
+                return layer(x, pos_bt, seg_bt, inv_freq, kv_in)
+
+            if cfg.remat != "none":
+                call = nnx.remat(call, policy=policy)
             new_k, new_v = [], []
             for i, layer in enumerate(self.layers):
-                graphdef, state = nnx.split(layer)
                 kv = None if cache is None else (cache.k[i], cache.v[i])
-                x, kv_out = body(x, state, kv)
+                x, kv_out = call(layer, x, kv)
                 if kv_out is not None:
                     new_k.append(kv_out[0])
                     new_v.append(kv_out[1])

@@ -1,0 +1,165 @@
+"""Datasets -> token batches.
+
+`load_rows` reads a source (`generated`, a .jsonl/.json/.parquet file, a directory written by
+`datasets.save_to_disk`, or a hub dataset already in the local cache) with `datasets`.
+`encode_row` turns one row into (token ids, loss mask) for the recipe's format, with errors that
+name the file and row. `PackedBatches` walks a seeded permutation of the rows, packs them into
+[B, L] batches, and exposes its position (`state()` / `restore()`) for exact resume.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from posttrain.config import DataSection
+from posttrain.data import generated
+from posttrain.data.packing import pack_rows
+from posttrain.errors import UserError
+
+
+def load_rows(source: str, split: str, data: DataSection):
+    if source == "generated":
+        g = data.generated
+        n = g.num_train if split == "train" else g.num_eval
+        return generated.text_rows(split, n, g.max_operand, g.seed)
+    import datasets
+
+    p = Path(source)
+    try:
+        if p.is_dir():
+            ds = datasets.load_from_disk(str(p))
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds[split if split in ds else "train"]
+            return ds
+        if p.suffix in (".jsonl", ".json"):
+            return datasets.load_dataset("json", data_files=str(p), split="train")
+        if p.suffix == ".parquet":
+            return datasets.load_dataset("parquet", data_files=str(p), split="train")
+        if p.suffix:
+            raise UserError(f"{source}: unsupported data file type {p.suffix} (jsonl, json, parquet)")
+        return datasets.load_dataset(source, split=split)
+    except UserError:
+        raise
+    except FileNotFoundError as e:
+        raise UserError(f"{source}: {e}") from None
+    except Exception as e:  # datasets raises many types for unreadable input
+        raise UserError(f"{source}: cannot load dataset: {type(e).__name__}: {e}") from None
+
+
+@dataclass
+class Encoder:
+    """Row -> (ids, mask) under the recipe's format, truncation and loss policy."""
+
+    tokenizer: Any
+    data: DataSection
+    source: str
+
+    def bad(self, idx: int, why: str) -> UserError:
+        return UserError(f"{self.source}: row {idx}: {why}")
+
+    def __call__(self, row: dict, idx: int) -> tuple[list[int], list[int]] | None:
+        fmt = self.data.format
+        eos = self.tokenizer.eos_token_id
+        if fmt == "text":
+            text = row.get("text")
+            if not isinstance(text, str) or not text:
+                raise self.bad(idx, "missing or empty 'text' field")
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
+            mask = [1] * len(ids)
+        else:
+            raise self.bad(idx, f"format {fmt} is not supported yet")
+        return self.truncate(ids, mask)
+
+    def truncate(self, ids: list[int], mask: list[int]):
+        L = self.data.seq_len
+        if len(ids) <= L:
+            return ids, mask
+        if self.data.truncation == "drop":
+            return None
+        if self.data.truncation == "left":
+            return ids[-L:], mask[-L:]
+        return ids[:L], mask[:L]
+
+
+class PackedBatches:
+    """Seeded, resumable iterator of packed batches over encoded rows."""
+
+    def __init__(self, rows, encoder: Encoder, batch_size: int, seq_len: int, seed: int,
+                 pack: bool = True, shuffle: bool = True):
+        self.rows, self.encoder = rows, encoder
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        self.pack, self.shuffle = pack, shuffle
+        self.n = len(rows)
+        if self.n == 0:
+            raise UserError(f"{encoder.source}: dataset is empty")
+        self.epoch, self.index = 0, 0
+        self.skipped = 0
+        self._order_epoch, self._order = -1, None
+
+    def _order_for(self, epoch: int) -> np.ndarray:
+        if self._order_epoch != epoch:
+            self._order = (np.random.default_rng([self.seed, epoch]).permutation(self.n)
+                           if self.shuffle else np.arange(self.n))
+            self._order_epoch = epoch
+        return self._order
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "skipped": self.skipped}
+
+    def restore(self, st: dict) -> None:
+        self.epoch, self.index, self.skipped = st["epoch"], st["index"], st.get("skipped", 0)
+
+    def _walk(self):
+        """Yield (epoch, index, row id) from the current position on, across epochs."""
+        e, i = self.epoch, self.index
+        while True:
+            order = self._order_for(e)
+            while i < self.n:
+                yield e, i, int(order[i])
+                i += 1
+            e, i = e + 1, 0
+
+    def next_batch(self) -> tuple[dict[str, np.ndarray], list[int]]:
+        """A packed batch and the row ids it holds (in order)."""
+        budget = self.batch_size * self.seq_len
+        cands, ids, positions, tokens = [], [], [], 0
+        for e, i, rid in self._walk():
+            enc = self._encode(rid)
+            positions.append((e, i))
+            if enc is None:
+                cands.append(None)
+                continue
+            cands.append(enc)
+            tokens += len(enc[0])
+            if tokens > budget + self.seq_len or len(cands) > 4 * budget:
+                break
+        real = [c for c in cands if c is not None]
+        batch, used = pack_rows(real, self.batch_size, self.seq_len, self.pack)
+        # advance past `used` real examples (and the skipped ones among them)
+        consumed_real, k = 0, 0
+        while k < len(cands) and (consumed_real < used or cands[k] is None):
+            if cands[k] is None:
+                self.skipped += 1
+            else:
+                consumed_real += 1
+                ids.append(self._row_id_at(positions[k]))
+            k += 1
+        e, i = positions[k] if k < len(positions) else positions[-1]
+        self.epoch, self.index = e, i
+        return batch, ids
+
+    def _row_id_at(self, pos: tuple[int, int]) -> int:
+        return int(self._order_for(pos[0])[pos[1]])
+
+    def _encode(self, rid: int):
+        row = self.rows[rid]
+        try:
+            return self.encoder(row, rid)
+        except UserError:
+            if self.encoder.data.skip_bad_rows:
+                return None
+            raise

@@ -1,0 +1,59 @@
+"""Arithmetic problems the code generates, so that every CPU recipe runs without a download.
+
+Problems are `a + b` and `a - b` over 0..max_operand. The train/eval split is by a hash of the
+problem itself, so a held-out problem never appears in training data in any format (pretraining
+text, SFT chats or RL prompts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Problem:
+    a: int
+    b: int
+    op: str
+
+    @property
+    def question(self) -> str:
+        return f"What is {self.a} {self.op} {self.b}?"
+
+    @property
+    def answer(self) -> int:
+        return self.a + self.b if self.op == "+" else self.a - self.b
+
+    def text(self) -> str:
+        return f"{self.question} The answer is {self.answer}."
+
+
+def is_held_out(p: Problem, eval_fraction: float = 0.1) -> bool:
+    h = hashlib.sha256(f"{p.a}{p.op}{p.b}".encode()).digest()
+    return int.from_bytes(h[:4], "little") / 2**32 < eval_fraction
+
+
+def all_problems(max_operand: int) -> list[Problem]:
+    return [Problem(a, b, op) for a in range(max_operand + 1) for b in range(max_operand + 1)
+            for op in "+-"]
+
+
+def problems(split: str, n: int, max_operand: int, seed: int) -> list[Problem]:
+    """`n` problems of `split` ('train' or 'eval'), sampled with replacement when n exceeds the pool."""
+    pool = [p for p in all_problems(max_operand) if is_held_out(p) == (split == "eval")]
+    rng = random.Random(f"{seed}-{split}")
+    if n <= len(pool):
+        return rng.sample(pool, n)
+    return [rng.choice(pool) for _ in range(n)]
+
+
+def text_rows(split: str, n: int, max_operand: int, seed: int) -> list[dict]:
+    return [{"text": p.text()} for p in problems(split, n, max_operand, seed)]
+
+
+def corpus_for_tokenizer(max_operand: int) -> list[str]:
+    """Text covering every surface form the tokenizer must handle (all numbers, both ops)."""
+    return [p.text() for p in all_problems(min(max_operand, 99))[:: 3]] + [
+        f"{i}" for i in range(-max_operand, 2 * max_operand + 1)]

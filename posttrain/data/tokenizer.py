@@ -1,0 +1,52 @@
+"""Tokenizers: load an HF tokenizer, or train a byte-level BPE locally with `tokenizers` and save it
+in HF format (tokenizer.json + tokenizer_config.json with a ChatML chat template) so that
+transformers and vLLM load it like any hub tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from posttrain.errors import UserError
+
+EOS = "<|endoftext|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SPECIAL = [EOS, IM_START, IM_END]
+# ChatML, as Qwen uses; {% generation %} marks assistant tokens for return_assistant_tokens_mask.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}"
+    "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{% else %}{{ message['content'] + '<|im_end|>' + '\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def train_bpe(texts: list[str], vocab_size: int, out_dir: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # Digits split one by one: arithmetic generalises far better than with merged numbers.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS,
+                                 chat_template=CHAT_TEMPLATE)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(out_dir)
+    return hf
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise UserError(f"{path}: no tokenizer (tokenizer.json) in this directory")
+    return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,42 @@
+"""Runs a recipe's stages in order. Each stage writes RUN_DIR/config.yaml (its resolved recipe)
+first, and starts from the previous stage's final checkpoint (and tokenizer)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+
+from posttrain.config import RunConfig
+
+console = Console(stderr=True)
+
+
+def algorithm_fn(name: str):
+    if name in ("pretrain", "sft"):
+        from posttrain.train.loop import train_language_model
+
+        return train_language_model
+    from posttrain.errors import UserError
+
+    raise UserError(f"algorithm: {name} is not available in this build yet")
+
+
+def run_stages(stages: list[RunConfig]) -> list[dict]:
+    results = []
+    prev: RunConfig | None = None
+    for i, cfg in enumerate(stages):
+        if prev is not None and cfg.model.path is None:
+            update = {"model": cfg.model.model_copy(update={"path": str(Path(prev.run_dir) / "checkpoints")})}
+            if cfg.tokenizer.path is None:
+                update["tokenizer"] = cfg.tokenizer.model_copy(
+                    update={"path": str(Path(prev.run_dir) / "tokenizer")})
+            cfg = cfg.model_copy(update=update)
+        run_dir = Path(cfg.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        if len(stages) > 1:
+            console.rule(f"stage {i + 1}/{len(stages)}: {cfg.name} ({cfg.algorithm})")
+        results.append(algorithm_fn(cfg.algorithm)(cfg, run_dir))
+        prev = cfg
+    return results

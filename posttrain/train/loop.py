@@ -1,0 +1,224 @@
+"""The language-model training loop shared by `pretrain` and `sft`.
+
+Reads top to bottom: tokenizer -> model config -> mesh -> model (random init or a checkpoint,
+sharded by the rules table, optionally int8 QAT) -> TrainState -> resume -> steps (log, eval,
+checkpoint) -> final checkpoint + HF export. Algorithms differ only in the data format and the
+`loss_fn` they pass.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from posttrain.config import RunConfig
+from posttrain.data import generated
+from posttrain.data.dataset import Encoder, PackedBatches, load_rows
+from posttrain.data.tokenizer import load_tokenizer, train_bpe
+from posttrain.errors import UserError
+from posttrain.models.config import ModelConfig
+from posttrain.models.transformer import CausalLM
+from posttrain.sharding import batch_sharding, make_mesh, state_shardings, use_mesh
+from posttrain.train.checkpoint import Checkpointer, find_checkpoint, read_meta
+from posttrain.train.optimizer import lr_schedule, make_optimizer
+from posttrain.train.step import TrainState, make_eval_step, make_train_step, next_token_loss
+
+
+# ---- pieces ----------------------------------------------------------------------------------
+def prepare_tokenizer(cfg: RunConfig, run_dir: Path):
+    """The recipe's tokenizer, or one trained on the data; always saved to RUN_DIR/tokenizer."""
+    out = run_dir / "tokenizer"
+    src = cfg.tokenizer.path or _tokenizer_next_to(cfg.model.path)
+    if src is not None:
+        tok = load_tokenizer(src)
+        if not out.exists():
+            tok.save_pretrained(out)
+        return tok
+    if out.exists():
+        return load_tokenizer(out)
+    if cfg.data.source != "generated":
+        raise UserError("tokenizer.path: required unless the data is generated or model.path has one")
+    texts = generated.corpus_for_tokenizer(cfg.data.generated.max_operand)
+    return train_bpe(texts, cfg.tokenizer.train_vocab_size, out)
+
+
+def _tokenizer_next_to(model_path: str | None) -> Path | None:
+    if model_path is None:
+        return None
+    p = Path(model_path)
+    for cand in (p, p / "tokenizer", p.parent / "tokenizer", p.parent.parent / "tokenizer"):
+        if (cand / "tokenizer.json").is_file():
+            return cand
+    return None
+
+
+def resolve_model_config(cfg: RunConfig, tokenizer) -> ModelConfig:
+    m = cfg.model
+    switches = dict(scan_layers=m.scan_layers, remat=m.remat, param_dtype=m.param_dtype,
+                    compute_dtype=m.compute_dtype)
+    if m.path is not None:
+        p = Path(m.path)
+        if (p / "config.json").is_file():
+            return ModelConfig.from_hf_config(json.loads((p / "config.json").read_text()), **switches)
+        ckpt_dir, step = find_checkpoint(p)
+        return ModelConfig.model_validate(read_meta(ckpt_dir, step)["model_config"]).model_copy(
+            update=switches)
+    if m.preset is not None:
+        return ModelConfig.preset(m.preset, **switches)
+    base = m.config or ModelConfig()
+    # From scratch: size the embedding to the tokenizer (rounded up to 64 for matmul tiling).
+    vocab = -(-len(tokenizer) // 64) * 64
+    return base.model_copy(update=dict(vocab_size=vocab, **switches))
+
+
+def create_model(cfg: RunConfig, model_cfg: ModelConfig, mesh) -> CausalLM:
+    """Random init directly into the sharded layout, or the checkpoint at model.path."""
+    rules = cfg.mesh.rules
+    if cfg.model.path is None:
+        abstract = nnx.eval_shape(lambda: CausalLM(model_cfg, nnx.Rngs(cfg.seed)))
+        shardings = state_shardings(nnx.state(abstract), mesh, rules)
+
+        @jax.jit
+        def init():
+            return nnx.state(CausalLM(model_cfg, nnx.Rngs(cfg.seed)))
+
+        graphdef = nnx.graphdef(abstract)
+        state = jax.jit(init, out_shardings=shardings)()
+        model = nnx.merge(graphdef, state)
+    else:
+        from converters.loading import load_model
+
+        model = load_model(cfg.model.path, **{k: getattr(model_cfg, k) for k in (
+            "scan_layers", "remat", "param_dtype", "compute_dtype")})
+        state = nnx.state(model)
+        nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
+    if cfg.model.quantization == "int8":
+        import qwix
+
+        provider = qwix.QtProvider([qwix.QtRule(module_path=r".*_proj|lm_head",
+                                                weight_qtype=jnp.int8, act_qtype=jnp.int8)])
+        model = qwix.quantize_model(model, provider, jnp.zeros((1, 8), jnp.int32))
+    return model
+
+
+def save_hf_export(model: nnx.Module, out: Path, tokenizer) -> None:
+    """Write RUN_DIR/hf: config.json + model.safetensors + tokenizer, loadable by transformers/vLLM."""
+    from converters.export import save_hf
+
+    save_hf(model, out)
+    tokenizer.save_pretrained(out)
+
+
+# ---- the loop --------------------------------------------------------------------------------
+def train_language_model(cfg: RunConfig, run_dir: Path, loss_fn=next_token_loss) -> dict:
+    tokenizer = prepare_tokenizer(cfg, run_dir)
+    model_cfg = resolve_model_config(cfg, tokenizer)
+    mesh = make_mesh(cfg.mesh)
+    t = cfg.train
+    with use_mesh(mesh, cfg.mesh.rules):
+        model = create_model(cfg, model_cfg, mesh)
+        trainable = nnx.LoRAParam if cfg.model.lora.rank else nnx.Param
+        graphdef, params, frozen = nnx.split(model, trainable, ...)
+        optimizer = make_optimizer(cfg.optimizer, t.steps)
+        state = TrainState(params, frozen, jax.jit(optimizer.init)(params),
+                           jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(cfg.seed)))
+        state_sh = jax.tree.map(lambda x: x.sharding, state)
+        step_fn = jax.jit(make_train_step(graphdef, optimizer, loss_fn, t.grad_accum,
+                                          lr_schedule(cfg.optimizer, t.steps)),
+                          donate_argnums=0, out_shardings=(state_sh, None))
+        eval_fn = jax.jit(make_eval_step(graphdef, loss_fn))
+        bsh = batch_sharding(mesh, cfg.mesh.rules, 2)
+
+        train_rows = load_rows(cfg.data.source, "train", cfg.data)
+        encoder = Encoder(tokenizer, cfg.data, cfg.data.source)
+        data = PackedBatches(train_rows, encoder, t.batch_size, cfg.data.seq_len,
+                             cfg.data.shuffle_seed, cfg.data.pack)
+        eval_batches = _eval_batches(cfg, tokenizer)
+
+        ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_save)
+        start = 0
+        latest = ckpt.latest_step() if cfg.checkpoint.resume else None
+        if latest is not None:
+            full = nnx.state(nnx.merge(graphdef, state.params, state.frozen))
+            full, train, meta = ckpt.restore(latest, full, _train_item(state))
+            model = nnx.merge(graphdef, full)
+            _, params, frozen = nnx.split(model, trainable, ...)
+            state = TrainState(params, frozen, train["opt_state"], train["step"], train["rng"])
+            data.restore(meta["data_state"])
+            start = latest
+
+        from posttrain.tracking import Tracker
+
+        tracker = Tracker(cfg, run_dir, t.steps, start)
+        seen_path = run_dir / "data_order.jsonl"
+        last: dict = {}
+        try:
+            for step in range(start, t.steps):
+                batch, row_ids = data.next_batch()
+                with seen_path.open("a") as f:
+                    f.write(json.dumps({"step": step + 1, "rows": row_ids}) + "\n")
+                t0 = time.perf_counter()
+                state, m = step_fn(state, jax.device_put(batch, bsh))
+                m = jax.device_get(m)
+                dt = time.perf_counter() - t0
+                m["tokens_per_s"] = float((batch["segment_ids"] > 0).sum()) / dt
+                m["skipped_rows"] = data.skipped
+                if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+                    m["eval_loss"] = _eval_loss(eval_fn, state, eval_batches, bsh)
+                tracker.log(step + 1, m)
+                last = m
+                if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 \
+                        and step + 1 != t.steps:
+                    _save(ckpt, step + 1, graphdef, state, model_cfg, data)
+            if ckpt.latest_step() != t.steps:
+                _save(ckpt, t.steps, graphdef, state, model_cfg, data)
+            ckpt.wait()
+        finally:
+            tracker.close()
+            ckpt.close()
+        final_model = nnx.merge(graphdef, state.params, state.frozen)
+        if cfg.model.quantization == "none":
+            save_hf_export(final_model, run_dir / "hf", tokenizer)
+    return {k: float(v) for k, v in last.items() if np.ndim(v) == 0}
+
+
+def _train_item(state: TrainState) -> dict:
+    return {"opt_state": state.opt_state, "step": state.step, "rng": state.rng}
+
+
+def _save(ckpt: Checkpointer, step: int, graphdef, state: TrainState, model_cfg: ModelConfig,
+          data: PackedBatches) -> None:
+    full = nnx.state(nnx.merge(graphdef, state.params, state.frozen))
+    meta = {"model_config": model_cfg.model_dump(mode="json"), "data_state": data.state(),
+            "step": step}
+    ckpt.save(step, full, _train_item(state), meta, force=True)
+
+
+def _eval_batches(cfg: RunConfig, tokenizer) -> list[dict]:
+    src = cfg.data.eval_source or ("generated" if cfg.data.source == "generated" else None)
+    if src is None or not cfg.train.eval_every:
+        return []
+    rows = load_rows(src, "eval", cfg.data)
+    it = PackedBatches(rows, Encoder(tokenizer, cfg.data, src), cfg.train.batch_size,
+                       cfg.data.seq_len, seed=0, pack=cfg.data.pack, shuffle=False)
+    return [it.next_batch()[0] for _ in range(cfg.train.eval_batches)]
+
+
+def _eval_loss(eval_fn, state: TrainState, batches: list[dict], bsh) -> float:
+    tot, cnt = 0.0, 0.0
+    for b in batches:
+        s, n = eval_fn(state.params, state.frozen, jax.device_put(b, bsh))
+        tot, cnt = tot + float(s), cnt + float(n)
+    return tot / max(cnt, 1.0)
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    if src.exists() and not dst.exists():
+        shutil.copytree(src, dst)

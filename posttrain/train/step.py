@@ -1,0 +1,95 @@
+"""The pure jitted train step: `step(state, batch) -> (state, metrics)`.
+
+State is a plain pytree (`TrainState`): trainable params, frozen variables (a LoRA base, or
+nothing), optimizer state, step and RNG. The model's structure (an NNX graphdef) is static and
+closed over. Losses return `(sum, count)` so that gradient accumulation over micro-batches divides
+by the *global* count once: the accumulated gradient equals the full-batch gradient exactly, for
+every aggregation (the torchtune lesson). Every algorithm plugs a `loss_fn(model, batch) ->
+(loss_sum, count, aux)` into the same step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+LossFn = Callable[[nnx.Module, dict], tuple[jax.Array, jax.Array, dict]]
+
+
+class TrainState(NamedTuple):
+    params: Any  # nnx.State of trainable variables
+    frozen: Any  # nnx.State of everything else (LoRA base, ...)
+    opt_state: Any
+    step: jax.Array
+    rng: jax.Array
+
+
+def token_logprobs(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
+    """log p(target) per position, in f32."""
+    logp = jax.nn.log_softmax(logits_btv.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, targets_bt[..., None], axis=-1)[..., 0]
+
+
+def next_token_loss(model: nnx.Module, batch: dict) -> tuple[jax.Array, jax.Array, dict]:
+    """Cross-entropy of `targets` under `loss_mask`; returns (sum, token count, aux)."""
+    logits = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+    logp = token_logprobs(logits, batch["targets"])
+    mask = batch["loss_mask"].astype(jnp.float32)
+    return -(logp * mask).sum(), mask.sum(), {}
+
+
+def _split_micro(batch: dict, n: int) -> dict:
+    return jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
+
+
+def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
+                    loss_fn: LossFn, grad_accum: int = 1,
+                    schedule: optax.Schedule | None = None) -> Callable:
+    """Build the (un-jitted) pure step; callers jit it with shardings and donation."""
+
+    def loss_sum(params, frozen, micro):
+        model = nnx.merge(graphdef, params, frozen)
+        s, n, aux = loss_fn(model, micro)
+        return s, (n, aux)
+
+    grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+
+    def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        if grad_accum == 1:
+            (s, (n, aux)), g = grad_fn(state.params, state.frozen, batch)
+        else:
+            micro = _split_micro(batch, grad_accum)
+
+            def body(carry, mb):
+                s_acc, n_acc, g_acc = carry
+                (s, (n, aux)), g = grad_fn(state.params, state.frozen, mb)
+                return (s_acc + s, n_acc + n, jax.tree.map(jnp.add, g_acc, g)), aux
+
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            (s, n, g), aux = jax.lax.scan(body, (0.0, 0.0, zeros), micro)
+            aux = jax.tree.map(lambda a: a.mean(0), aux)
+        denom = jnp.maximum(n, 1.0)
+        grads = jax.tree.map(lambda x: x / denom, g)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": s / denom, "tokens": n, "grad_norm": optax.global_norm(grads), **aux}
+        if schedule is not None:
+            metrics["learning_rate"] = schedule(state.step)
+        new = TrainState(params, state.frozen, opt_state, state.step + 1,
+                         jax.random.fold_in(state.rng, state.step))
+        return new, metrics
+
+    return step
+
+
+def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn) -> Callable:
+    def eval_step(params, frozen, batch):
+        s, n, _ = loss_fn(nnx.merge(graphdef, params, frozen), batch)
+        return s, n
+
+    return eval_step
