@@ -170,6 +170,38 @@ class MeshSection(Strict):
     rules: list[tuple[str, str | list[str] | None]] = DEFAULT_RULES
 
 
+class RewardFunctionSpec(Strict):
+    fn: str = Field(description="built-in name, module:function, path/to/file.py:function, or an "
+                    "entry point name of the group posttrain.rewards")
+    name: str | None = Field(None, description="metrics label; default derived from fn")
+    weight: float = 1.0
+    kwargs: dict[str, Any] = {}
+    adapter: Literal["none", "verl"] = Field("none", description="verl: fn is compute_score("
+                                             "data_source, solution_str, ground_truth, extra_info)")
+
+    @property
+    def label(self) -> str:
+        return self.name or self.fn.rsplit(":", 1)[-1].rsplit("/", 1)[-1].removesuffix(".py")
+
+
+class RewardsSection(Strict):
+    functions: list[RewardFunctionSpec] = []
+    timeout_s: float = Field(30.0, gt=0, description="per call of one function on one batch")
+    fallback: float | Literal["drop_group"] = 0.0
+    fail_fast: bool = False
+    num_workers: int = Field(2, gt=0)
+    solved_threshold: float = Field(1.0, description="a completion with total reward >= this is solved")
+    dry_run: bool = True
+
+    @model_validator(mode="after")
+    def _unique_labels(self) -> "RewardsSection":
+        labels = [f.label for f in self.functions]
+        dup = {x for x in labels if labels.count(x) > 1}
+        if dup:
+            raise ValueError(f"reward labels must be unique (set `name`): {sorted(dup)}")
+        return self
+
+
 class RunConfig(Strict):
     name: str = "run"
     algorithm: Literal["pretrain", "sft", "grpo"] = "pretrain"
@@ -183,6 +215,7 @@ class RunConfig(Strict):
     checkpoint: CheckpointSection = CheckpointSection()
     tracking: TrackingSection = TrackingSection()
     mesh: MeshSection = MeshSection()
+    rewards: RewardsSection = RewardsSection()
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

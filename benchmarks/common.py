@@ -1,0 +1,40 @@
+"""Shared benchmark helpers: the reference model of ENVIRONMENT.md and the matmul peak."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from posttrain.models import ModelConfig
+
+# Qwen3 architecture, hidden 256, 4 layers, 4 heads of dim 64, 2 KV heads, MLP 768, tied, vocab ~470.
+REFERENCE = ModelConfig(arch="qwen3", vocab_size=512, hidden_size=256, intermediate_size=768,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=64, tie_word_embeddings=True, max_position_embeddings=512)
+
+
+def matmul_peak_gflops(rows: int = 4096, reps: int = 5) -> float:
+    """f32 GFLOP/s of the model's own matmul shapes (rows x 256 @ 256 x 768 and back)."""
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k1, (rows, 256))
+    w1 = jax.random.normal(k2, (256, 768))
+    w2 = jax.random.normal(k3, (768, 256))
+    f = jax.jit(lambda x: ((x @ w1) @ w2).sum())
+    f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 2 * rows * 256 * 768 / best / 1e9
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """6 x (matmul params incl. the LM head) + attention scores/values (12 L T H D, full square)."""
+    e, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    h, k, d, layers = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+    per_layer = e * h * d * 2 + e * k * d * 2 + 3 * e * f
+    matmul_params = layers * per_layer + v * e
+    return 6 * matmul_params + 12 * layers * seq_len * h * d
