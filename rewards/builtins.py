@@ -72,9 +72,10 @@ THINK_ANSWER = re.compile(r"^\s*<think>(?:(?!</?think>).)*</think>\s*<answer>(?:
 
 
 def format_reward(prompts, completions, *, pattern: str | None = None, **columns) -> list[float]:
-    rx = re.compile(pattern, flags=re.S) if pattern else THINK_ANSWER
-    return [1.0 if rx.search(completion_text(c)) if pattern else rx.match(completion_text(c)) else 0.0
-            for c in completions]
+    """1.0 when the completion matches `pattern` (searched), or, by default, is exactly one
+    <think>...</think> block followed by one non-empty <answer>...</answer> block."""
+    match = re.compile(pattern, flags=re.S).search if pattern else THINK_ANSWER.match
+    return [1.0 if match(completion_text(c)) else 0.0 for c in completions]
 
 
 def exact_match_reward(prompts, completions, *, answer_column: str = "answer",
