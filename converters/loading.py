@@ -27,7 +27,7 @@ def param_paths(model: nnx.Module) -> dict[tuple, nnx.Variable]:
 def set_params(model: nnx.Module, flat: dict[tuple, np.ndarray]) -> nnx.Module:
     """Write `flat` (our path -> array) into `model`; every parameter must be given, shapes must match."""
     state = nnx.state(model, nnx.Param)
-    leaves = dict(nnx.to_flat_state(state))
+    leaves = {tuple(p): v for p, v in nnx.to_flat_state(state)}
     missing = [p for p in leaves if tuple(p) not in flat]
     if missing:
         raise UserError(f"checkpoint lacks parameters: {['.'.join(map(str, p)) for p in missing[:5]]}")
@@ -90,10 +90,25 @@ def load_hf(path: str | Path, **overrides) -> CausalLM:
     return set_params(model, hf_to_nnx(cfg, reader.get))
 
 
+def resolve_model_path(path: str | Path) -> Path:
+    """A local directory, or an HF hub id (`org/name`) fetched into / read from the local cache."""
+    p = Path(path)
+    if p.exists():
+        return p
+    if str(path).count("/") == 1 and not str(path).startswith((".", "/")):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors",
+                                                                     "*.txt", "*.model", "*.jinja"]))
+        except Exception as e:
+            raise UserError(f"{path}: not a local directory, and fetching it from the hub failed: "
+                            f"{type(e).__name__}: {e}") from None
+    raise UserError(f"{path}: no such model directory")
+
+
 def load_model(path: str | Path, **overrides) -> CausalLM:
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"{path}: no such model directory")
+    path = resolve_model_path(path)
     if (path / "config.json").is_file():
         return load_hf(path, **overrides)
     from posttrain.train.checkpoint import load_model_from_checkpoint

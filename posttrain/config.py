@@ -77,6 +77,8 @@ class DataSection(Strict):
     source: str = Field("generated", description="'generated', a jsonl/parquet file, a saved "
                         "datasets dir, or a cached hub dataset name")
     eval_source: str | None = None
+    split: str = Field("train", description="split of a hub / saved DatasetDict source")
+    eval_split: str = "test"
     format: Literal["text", "messages", "prompt_completion"] = "text"
     generated: GeneratedData = GeneratedData()
     seq_len: int = Field(256, gt=1)
@@ -429,8 +431,11 @@ def cross_check(cfg: RunConfig, num_devices: int, *, produced_by_earlier_stage: 
         raise UserError(f"{prefix}model.path: {cfg.model.path}: no such file or directory")
     if cfg.algorithm == "pretrain" and cfg.data.format != "text":
         raise UserError(f"{prefix}data.format: pretrain trains on plain text (got {cfg.data.format})")
-    if cfg.algorithm != "pretrain" and cfg.model.path is None and not produced_by_earlier_stage:
-        raise UserError(f"{prefix}model.path: {cfg.algorithm} starts from a checkpoint; set model.path")
+    if cfg.algorithm == "grpo" and cfg.model.path is None and not produced_by_earlier_stage:
+        raise UserError(f"{prefix}model.path: grpo starts from a checkpoint; set model.path")
+    if cfg.model.lora.rank and cfg.model.quantization == "int8":
+        raise UserError(f"{prefix}model.quantization: int8 QAT and LoRA do not combine; for a "
+                        "frozen int8 base use model.lora.int8_base: true")
     return shape
 
 

@@ -14,9 +14,9 @@ console = Console(stderr=True)
 
 def algorithm_fn(name: str):
     if name in ("pretrain", "sft"):
-        from posttrain.train.loop import train_language_model
+        from posttrain.algorithms import sft
 
-        return train_language_model
+        return sft.run
     from posttrain.errors import UserError
 
     raise UserError(f"algorithm: {name} is not available in this build yet")

@@ -18,10 +18,8 @@ are what verl/TRL-style sandboxes provide.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import resource
 import secrets
 import shutil
 import signal
@@ -30,11 +28,20 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
-CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
-
 HARNESS = r'''
-import io, json, os, sys
+import ctypes, io, json, os, resource, sys
 payload = json.loads(sys.stdin.read())
+# Limits are set here, in the child, before any user code: no preexec_fn (unsafe to run in a
+# multi-threaded parent such as a JAX trainer).
+cpu, mem = payload["cpu_s"], payload["memory_mb"] * 1024 * 1024
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024 * 1024,) * 2)
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+try:  # a private, empty network namespace when the kernel allows unprivileged user namespaces
+    ctypes.CDLL(None, use_errno=True).unshare(0x10000000 | 0x40000000)
+except Exception:
+    pass
 nonce, code, tests = payload["nonce"], payload["code"], payload["tests"]
 root = os.path.realpath(os.getcwd())
 real_stdout = os.dup(1)
@@ -99,23 +106,6 @@ class SandboxResult:
         return self.passed / self.total if self.total else 0.0
 
 
-def _limits(cpu_s: int, memory_mb: int):
-    def apply():
-        os.setsid()
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-        mem = memory_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024 * 1024,) * 2)
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        try:  # a private, empty network namespace when the kernel lets us
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.unshare(CLONE_NEWUSER | CLONE_NEWNET)
-        except Exception:
-            pass
-
-    return apply
-
-
 def run_tests(code: str, tests: list, *, timeout_s: float = 5.0, memory_mb: int = 512) -> SandboxResult:
     tests = list(tests or [])
     if not tests:
@@ -123,10 +113,11 @@ def run_tests(code: str, tests: list, *, timeout_s: float = 5.0, memory_mb: int 
     workdir = tempfile.mkdtemp(prefix="posttrain-sandbox-")
     nonce = "@@" + secrets.token_hex(16) + "@@"
     env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
-    payload = json.dumps({"nonce": nonce, "code": code, "tests": tests})
+    payload = json.dumps({"nonce": nonce, "code": code, "tests": tests,
+                          "cpu_s": max(1, int(timeout_s)), "memory_mb": memory_mb})
     proc = subprocess.Popen([sys.executable, "-I", "-c", HARNESS], cwd=workdir, env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=_limits(max(1, int(timeout_s)), memory_mb))
+                            start_new_session=True)
     try:
         out, err = proc.communicate(payload.encode(), timeout=timeout_s + 2)
         status = "ok"

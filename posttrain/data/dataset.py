@@ -22,13 +22,15 @@ from posttrain.errors import UserError
 
 
 def load_rows(source: str, split: str, data: DataSection):
+    """`split` is 'train' or 'eval'; a hub/saved source maps it to data.split / data.eval_split."""
     if source == "generated":
         g = data.generated
         n = g.num_train if split == "train" else g.num_eval
-        return generated.text_rows(split, n, g.max_operand, g.seed)
+        return generated.rows(data.format, split, n, g.max_operand, g.seed)
     import datasets
 
     p = Path(source)
+    split = data.split if split == "train" else data.eval_split
     try:
         if p.is_dir():
             ds = datasets.load_from_disk(str(p))
@@ -70,9 +72,77 @@ class Encoder:
                 raise self.bad(idx, "missing or empty 'text' field")
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
             mask = [1] * len(ids)
+        elif fmt == "messages":
+            ids, mask = self.encode_chat(row, idx)
         else:
-            raise self.bad(idx, f"format {fmt} is not supported yet")
+            ids, mask = self.encode_prompt_completion(row, idx)
         return self.truncate(ids, mask)
+
+    # ---- chat ------------------------------------------------------------------------------
+    def check_messages(self, row: dict, idx: int) -> list[dict]:
+        msgs = row.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise self.bad(idx, "missing or empty 'messages' field")
+        for j, m in enumerate(msgs):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise self.bad(idx, f"messages[{j}] needs 'role' and 'content'")
+            if m["role"] not in ("system", "user", "assistant"):
+                raise self.bad(idx, f"messages[{j}]: unknown role {m['role']!r}")
+            if not isinstance(m["content"], str) or not m["content"].strip():
+                raise self.bad(idx, f"messages[{j}] ({m['role']}): empty content")
+        turns = msgs[1:] if msgs[0]["role"] == "system" else msgs
+        for j, m in enumerate(turns):
+            want = "user" if j % 2 == 0 else "assistant"
+            if m["role"] != want:
+                raise self.bad(idx, f"wrong role order: expected {want} at turn {j}, got {m['role']}")
+        if turns[-1]["role"] != "assistant":
+            raise self.bad(idx, "the conversation must end with an assistant message")
+        return msgs
+
+    def _render_len(self, msgs: list[dict], add_generation_prompt: bool) -> list[int]:
+        text = self.tokenizer.apply_chat_template(msgs, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def encode_chat(self, row: dict, idx: int) -> tuple[list[int], list[int]]:
+        """Render with the tokenizer's chat template; mask the assistant turns' tokens.
+
+        Turn boundaries come from rendering growing prefixes (template-agnostic: works for
+        templates without {% generation %} markers, such as Qwen's)."""
+        msgs = self.check_messages(row, idx)
+        ids = self._render_len(msgs, False)
+        mask = [0] * len(ids)
+        assistant = [j for j, m in enumerate(msgs) if m["role"] == "assistant"]
+        if self.data.loss_on == "last_turn":
+            assistant = assistant[-1:]
+        for j in assistant:
+            start = len(self._render_len(msgs[:j], True))
+            end = min(len(self._render_len(msgs[: j + 1], False)), len(ids))
+            # the separator a template puts after the end-of-turn token is not the reply's
+            while end > start and not self.tokenizer.decode(ids[end - 1:end]).strip():
+                end -= 1
+            for t in range(start, min(end, len(ids))):
+                mask[t] = 1
+        if self.data.loss_on == "all":
+            mask = [1] * len(ids)
+        return ids, mask
+
+    def encode_prompt_completion(self, row: dict, idx: int) -> tuple[list[int], list[int]]:
+        prompt, completion = row.get("prompt"), row.get("completion")
+        if prompt is None or completion is None:
+            raise self.bad(idx, "needs 'prompt' and 'completion' fields")
+        if isinstance(prompt, list):  # conversational prompt
+            p_ids = self._render_len(prompt, True)
+        elif isinstance(prompt, str) and prompt:
+            p_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        else:
+            raise self.bad(idx, "empty 'prompt'")
+        if not isinstance(completion, str) or not completion.strip():
+            raise self.bad(idx, "empty 'completion'")
+        c_ids = self.tokenizer(completion, add_special_tokens=False)["input_ids"] + \
+            [self.tokenizer.eos_token_id]
+        mask = ([1] * len(p_ids) if self.data.loss_on == "all" else [0] * len(p_ids)) + [1] * len(c_ids)
+        return p_ids + c_ids, mask
 
     def truncate(self, ids: list[int], mask: list[int]):
         L = self.data.seq_len

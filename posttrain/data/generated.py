@@ -53,7 +53,25 @@ def text_rows(split: str, n: int, max_operand: int, seed: int) -> list[dict]:
     return [{"text": p.text()} for p in problems(split, n, max_operand, seed)]
 
 
+def chat_rows(split: str, n: int, max_operand: int, seed: int) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": p.question},
+                          {"role": "assistant", "content": f"The answer is {p.answer}."}],
+             "answer": str(p.answer)} for p in problems(split, n, max_operand, seed)]
+
+
+def prompt_completion_rows(split: str, n: int, max_operand: int, seed: int) -> list[dict]:
+    return [{"prompt": p.question, "completion": f" The answer is {p.answer}.",
+             "answer": str(p.answer)} for p in problems(split, n, max_operand, seed)]
+
+
+def rows(fmt: str, split: str, n: int, max_operand: int, seed: int) -> list[dict]:
+    return {"text": text_rows, "messages": chat_rows,
+            "prompt_completion": prompt_completion_rows}[fmt](split, n, max_operand, seed)
+
+
 def corpus_for_tokenizer(max_operand: int) -> list[str]:
     """Text covering every surface form the tokenizer must handle (all numbers, both ops)."""
-    return [p.text() for p in all_problems(min(max_operand, 99))[:: 3]] + [
-        f"{i}" for i in range(-max_operand, 2 * max_operand + 1)]
+    probs = all_problems(min(max_operand, 99))[:: 3]
+    return [p.text() for p in probs] + [f"{i}" for i in range(-max_operand, 2 * max_operand + 1)] + [
+        f"user\n{p.question}\nassistant\nThe answer is {p.answer}.\n" for p in probs[::5]] + [
+        "system\nYou are a helpful assistant.\n", "<think>\n</think>\n<answer></answer>"]

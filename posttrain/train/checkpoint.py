@@ -108,23 +108,46 @@ def restore_params_flat(ckpt_dir: Path, step: int) -> dict[str, np.ndarray]:
     return ckptr.restore(ckpt_dir / str(step) / "params")
 
 
+def canonical_params(flat: dict[str, np.ndarray], lora_scale: float | None) -> dict[tuple, np.ndarray]:
+    """Saved variables -> plain parameters keyed by path tuples: int8 (qwix QArray) kernels are
+    dequantized and LoRA adapters merged, W' = W + (alpha / rank) A B, so that any checkpoint of
+    ours loads as an ordinary model."""
+    out: dict[tuple, np.ndarray] = {}
+    for key, value in flat.items():
+        parts = key.split("/")
+        if parts[-1] != "value":
+            continue
+        parts = parts[:-1]
+        if parts[-3:] == ["kernel", "array", "qvalue"]:
+            scale = flat["/".join(parts[:-1] + ["scale", "value"])]
+            value = np.asarray(value, np.float32) * np.asarray(scale, np.float32)
+            parts = parts[:-2]
+        elif parts[-3:-1] == ["kernel", "array"] or parts[-1].startswith("kernel_lora_"):
+            continue
+        out[tuple(int(p) if p.isdigit() else p for p in parts)] = np.asarray(value)
+    for key in flat:
+        if key.endswith("kernel_lora_a/value"):
+            stem = key[: -len("kernel_lora_a/value")]
+            a, b = np.asarray(flat[key]), np.asarray(flat[stem + "kernel_lora_b/value"])
+            path = tuple(int(p) if p.isdigit() else p for p in (stem + "kernel").split("/"))
+            out[path] = (out[path].astype(np.float32) + lora_scale * (a @ b)).astype(out[path].dtype)
+    return out
+
+
 def load_model_from_checkpoint(path: str | Path, **overrides) -> nnx.Module:
-    from converters.loading import abstract_model
+    """An ordinary model from one of our checkpoints, whatever its layer layout, LoRA or int8."""
+    from converters.hf import hf_to_nnx, nnx_to_hf
+    from converters.loading import abstract_model, set_params
     from posttrain.models.config import ModelConfig
 
     ckpt_dir, step = find_checkpoint(path)
     meta = read_meta(ckpt_dir, step)
-    cfg = ModelConfig.model_validate(meta["model_config"]).model_copy(update=overrides)
-    model = abstract_model(cfg)
-    flat = restore_params_flat(ckpt_dir, step)
-    state = nnx.state(model)
-    # Orbax stores what we saved: the model's variables keyed by path.
-    target_keys = flatten(state)
-    if cfg.scan_layers != meta["model_config"].get("scan_layers", cfg.scan_layers):
-        raise UserError("loading a checkpoint with a different scan_layers setting is not supported; "
-                        "convert it with `posttrain convert` first")
-    missing = [k for k in target_keys if k not in flat]
-    if missing:
-        raise UserError(f"{ckpt_dir / str(step)}: checkpoint lacks {missing[:3]}")
-    nnx.update(model, unflatten_like(state, {k: flat[k] for k in target_keys}))
-    return model
+    saved = ModelConfig.model_validate(meta["model_config"])
+    cfg = saved.model_copy(update=overrides)
+    lora = meta.get("lora") or {}
+    scale = lora["alpha"] / lora["rank"] if lora.get("rank") else None
+    params = canonical_params(restore_params_flat(ckpt_dir, step), scale)
+    if cfg.scan_layers != saved.scan_layers:  # re-layout through the HF names
+        hf = dict(nnx_to_hf(saved, params))
+        params = hf_to_nnx(cfg, hf.__getitem__)
+    return set_params(abstract_model(cfg), params)

@@ -52,7 +52,9 @@ def prepare_tokenizer(cfg: RunConfig, run_dir: Path):
 def _tokenizer_next_to(model_path: str | None) -> Path | None:
     if model_path is None:
         return None
-    p = Path(model_path)
+    from converters.loading import resolve_model_path
+
+    p = resolve_model_path(model_path)
     for cand in (p, p / "tokenizer", p.parent / "tokenizer", p.parent.parent / "tokenizer"):
         if (cand / "tokenizer.json").is_file():
             return cand
@@ -61,10 +63,13 @@ def _tokenizer_next_to(model_path: str | None) -> Path | None:
 
 def resolve_model_config(cfg: RunConfig, tokenizer) -> ModelConfig:
     m = cfg.model
-    switches = dict(scan_layers=m.scan_layers, remat=m.remat, param_dtype=m.param_dtype,
+    # qwix attaches LoRA params to each layer object on first call, which needs unrolled layers.
+    switches = dict(scan_layers=m.scan_layers and not m.lora.rank, remat=m.remat, param_dtype=m.param_dtype,
                     compute_dtype=m.compute_dtype)
     if m.path is not None:
-        p = Path(m.path)
+        from converters.loading import resolve_model_path
+
+        p = resolve_model_path(m.path)
         if (p / "config.json").is_file():
             return ModelConfig.from_hf_config(json.loads((p / "config.json").read_text()), **switches)
         ckpt_dir, step = find_checkpoint(p)
@@ -99,6 +104,17 @@ def create_model(cfg: RunConfig, model_cfg: ModelConfig, mesh) -> CausalLM:
             "scan_layers", "remat", "param_dtype", "compute_dtype")})
         state = nnx.state(model)
         nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
+    lora = cfg.model.lora
+    if lora.rank:
+        import qwix
+
+        provider = qwix.LoraProvider(module_path=lora.target_modules, rank=lora.rank,
+                                     alpha=lora.alpha, dropout=lora.dropout,
+                                     weight_qtype=jnp.int8 if lora.int8_base else None)
+        model = qwix.apply_lora_to_model(model, provider, jnp.zeros((1, 8), jnp.int32),
+                                         rngs=nnx.Rngs(params=cfg.seed, dropout=cfg.seed))
+        state = nnx.state(model)
+        nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
     if cfg.model.quantization == "int8":
         import qwix
 
@@ -125,6 +141,7 @@ def train_language_model(cfg: RunConfig, run_dir: Path, loss_fn=next_token_loss)
     with use_mesh(mesh, cfg.mesh.rules):
         model = create_model(cfg, model_cfg, mesh)
         trainable = nnx.LoRAParam if cfg.model.lora.rank else nnx.Param
+        lora_meta = cfg.model.lora.model_dump() if cfg.model.lora.rank else {}
         graphdef, params, frozen = nnx.split(model, trainable, ...)
         optimizer = make_optimizer(cfg.optimizer, t.steps)
         state = TrainState(params, frozen, jax.jit(optimizer.init)(params),
@@ -176,16 +193,19 @@ def train_language_model(cfg: RunConfig, run_dir: Path, loss_fn=next_token_loss)
                 last = m
                 if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 \
                         and step + 1 != t.steps:
-                    _save(ckpt, step + 1, graphdef, state, model_cfg, data)
+                    _save(ckpt, step + 1, graphdef, state, model_cfg, data, lora_meta)
             if ckpt.latest_step() != t.steps:
-                _save(ckpt, t.steps, graphdef, state, model_cfg, data)
+                _save(ckpt, t.steps, graphdef, state, model_cfg, data, lora_meta)
             ckpt.wait()
         finally:
             tracker.close()
             ckpt.close()
-        final_model = nnx.merge(graphdef, state.params, state.frozen)
         if cfg.model.quantization == "none":
-            save_hf_export(final_model, run_dir / "hf", tokenizer)
+            # The HF export is the plain model: LoRA merged, an int8 base dequantized.
+            from posttrain.train.checkpoint import load_model_from_checkpoint
+
+            save_hf_export(load_model_from_checkpoint(run_dir / "checkpoints"), run_dir / "hf",
+                           tokenizer)
     return {k: float(v) for k, v in last.items() if np.ndim(v) == 0}
 
 
@@ -194,10 +214,10 @@ def _train_item(state: TrainState) -> dict:
 
 
 def _save(ckpt: Checkpointer, step: int, graphdef, state: TrainState, model_cfg: ModelConfig,
-          data: PackedBatches) -> None:
+          data: PackedBatches, lora: dict) -> None:
     full = nnx.state(nnx.merge(graphdef, state.params, state.frozen))
     meta = {"model_config": model_cfg.model_dump(mode="json"), "data_state": data.state(),
-            "step": step}
+            "step": step, "lora": lora}
     ckpt.save(step, full, _train_item(state), meta, force=True)
 
 

@@ -43,6 +43,12 @@ def next_token_loss(model: nnx.Module, batch: dict) -> tuple[jax.Array, jax.Arra
     return -(logp * mask).sum(), mask.sum(), {}
 
 
+def _reseed_dropout(model: nnx.Module, rng: jax.Array) -> None:
+    """Fresh dropout randomness every (micro-)step from the state's RNG (LoRA dropout)."""
+    if any(isinstance(v, nnx.RngState) for _, v in nnx.to_flat_state(nnx.state(model, nnx.RngState))):
+        nnx.reseed(model, dropout=jax.random.wrap_key_data(rng) if rng.dtype == jnp.uint32 else rng)
+
+
 def _split_micro(batch: dict, n: int) -> dict:
     return jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
 
@@ -52,8 +58,9 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
                     schedule: optax.Schedule | None = None) -> Callable:
     """Build the (un-jitted) pure step; callers jit it with shardings and donation."""
 
-    def loss_sum(params, frozen, micro):
+    def loss_sum(params, frozen, micro, rng):
         model = nnx.merge(graphdef, params, frozen)
+        _reseed_dropout(model, rng)
         s, n, aux = loss_fn(model, micro)
         return s, (n, aux)
 
@@ -61,17 +68,19 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         if grad_accum == 1:
-            (s, (n, aux)), g = grad_fn(state.params, state.frozen, batch)
+            (s, (n, aux)), g = grad_fn(state.params, state.frozen, batch, state.rng)
         else:
             micro = _split_micro(batch, grad_accum)
 
-            def body(carry, mb):
+            def body(carry, xs):
                 s_acc, n_acc, g_acc = carry
-                (s, (n, aux)), g = grad_fn(state.params, state.frozen, mb)
+                mb, i = xs
+                rng = jax.random.fold_in(state.rng, i)
+                (s, (n, aux)), g = grad_fn(state.params, state.frozen, mb, rng)
                 return (s_acc + s, n_acc + n, jax.tree.map(jnp.add, g_acc, g)), aux
 
             zeros = jax.tree.map(jnp.zeros_like, state.params)
-            (s, n, g), aux = jax.lax.scan(body, (0.0, 0.0, zeros), micro)
+            (s, n, g), aux = jax.lax.scan(body, (0.0, 0.0, zeros), (micro, jnp.arange(grad_accum)))
             aux = jax.tree.map(lambda a: a.mean(0), aux)
         denom = jnp.maximum(n, 1.0)
         grads = jax.tree.map(lambda x: x / denom, g)
