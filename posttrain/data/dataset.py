@@ -169,6 +169,7 @@ class PackedBatches:
         self.epoch, self.index = 0, 0
         self.skipped = 0
         self._order_epoch, self._order = -1, None
+        self._cache: dict[int, tuple | None] = {}
 
     def _order_for(self, epoch: int) -> np.ndarray:
         if self._order_epoch != epoch:
@@ -222,10 +223,50 @@ class PackedBatches:
         self.epoch, self.index = e, i
         return batch, ids
 
+    def batches(self, depth: int = 2):
+        """Yield (batch, row ids, position after it) with `depth` batches prepared ahead in a
+        background thread, so tokenization overlaps the device's step. The position travels with
+        its batch, so a checkpoint stores exactly what was consumed."""
+        import queue
+        import threading
+
+        q: queue.Queue = queue.Queue(maxsize=depth)
+        stop = threading.Event()
+
+        def work():
+            try:
+                while not stop.is_set():
+                    batch, ids = self.next_batch()
+                    q.put((batch, ids, self.state()))
+            except BaseException as e:  # surface data errors (bad rows) in the consumer
+                q.put(e)
+
+        threading.Thread(target=work, daemon=True, name="posttrain-data").start()
+        try:
+            while True:
+                item = q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            while not q.empty():
+                q.get_nowait()
+
     def _row_id_at(self, pos: tuple[int, int]) -> int:
         return int(self._order_for(pos[0])[pos[1]])
 
     def _encode(self, rid: int):
+        # Rows looked ahead but not packed come up again at the next batch: keep them encoded.
+        if rid in self._cache:
+            return self._cache[rid]
+        enc = self._encode_uncached(rid)
+        if len(self._cache) > 8192:
+            self._cache.clear()
+        self._cache[rid] = enc
+        return enc
+
+    def _encode_uncached(self, rid: int):
         row = self.rows[rid]
         try:
             return self.encoder(row, rid)

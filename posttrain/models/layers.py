@@ -38,6 +38,13 @@ def linear(cfg: ModelConfig, din: int, dout: int, axes: tuple[str, str], rngs: n
                       rngs=rngs)
 
 
+def dense(layer: nnx.Linear, x: jax.Array) -> jax.Array:
+    """Apply a Linear to [..., in] as one 2-D matmul: XLA:CPU runs [B*T, in] @ [in, out] and its
+    gradients about 2x faster than the batched [B, T, in] form (measured in benchmarks/)."""
+    y = layer(x.reshape(-1, x.shape[-1]))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 class RMSNorm(nnx.Module):
     """HF's LlamaRMSNorm / Qwen3RMSNorm: normalise in f32, scale by `weight` in the input dtype."""
 
@@ -93,14 +100,18 @@ def attention_mask(q_pos_bt, q_seg_bt, k_pos_bs, k_seg_bs) -> jax.Array:
 
 
 def dot_attention(q_bthd, k_bskd, v_bskd, mask_bts) -> jax.Array:
+    """Grouped-query attention as batched matmuls over (batch, kv head): the G query heads that
+    share a KV head are stacked along the row axis, [B, K, G*T, D] @ [B, K, D, S], which XLA runs
+    faster than a 5-D einsum (no per-group transposes inside the dot)."""
     b, t, h, d = q_bthd.shape
-    k = k_bskd.shape[2]
-    q = q_bthd.reshape(b, t, k, h // k, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_bskd).astype(jnp.float32) / math.sqrt(d)
-    scores = jnp.where(mask_bts[:, None, None], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskd.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_bskd)
-    return out.reshape(b, t, h * d)
+    s, kh = k_bskd.shape[1], k_bskd.shape[2]
+    g = h // kh
+    q = q_bthd.reshape(b, t, kh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, d)
+    scores = jnp.matmul(q, k_bskd.transpose(0, 2, 3, 1)).astype(jnp.float32) / math.sqrt(d)
+    scores = jnp.where(mask_bts[:, None, None], scores.reshape(b, kh, g, t, s), MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskd.dtype).reshape(b, kh, g * t, s)
+    out = jnp.matmul(probs, v_bskd.transpose(0, 2, 1, 3))  # [B, K, G*T, D]
+    return out.reshape(b, kh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h * d)
 
 
 class Attention(nnx.Module):
@@ -120,9 +131,9 @@ class Attention(nnx.Module):
         already holding every slot except this chunk's, which are written at slot = position."""
         cfg = self.cfg
         b, t, _ = x_bte.shape
-        q = self.q_proj(x_bte).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
-        k = self.k_proj(x_bte).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-        v = self.v_proj(x_bte).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        q = dense(self.q_proj, x_bte).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+        k = dense(self.k_proj, x_bte).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        v = dense(self.v_proj, x_bte).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         q = checkpoint_name(q, "qkv_proj")
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -139,7 +150,7 @@ class Attention(nnx.Module):
             keys, values, new_kv = k_cache, v_cache, (k_cache, v_cache)
         mask = attention_mask(pos_bt, seg_bt, k_pos, k_seg)
         out = dot_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask)
-        out = self.o_proj(out)
+        out = dense(self.o_proj, out)
         return checkpoint_name(out, "out_proj"), new_kv
 
 
@@ -151,7 +162,7 @@ class MLP(nnx.Module):
         self.down_proj = linear(cfg, f, e, ("mlp", "embed"), rngs)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return dense(self.down_proj, jax.nn.silu(dense(self.gate_proj, x)) * dense(self.up_proj, x))
 
 
 class DecoderLayer(nnx.Module):

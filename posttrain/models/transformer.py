@@ -139,9 +139,12 @@ class CausalLM(nnx.Module):
         return self.model(tokens_bt, positions_bt, segment_ids_bt, cache)
 
     def logits_from_hidden(self, x_bte):
+        x2 = x_bte.reshape(-1, x_bte.shape[-1])  # 2-D matmul: see layers.dense
         if self.cfg.tie_word_embeddings:
-            return self.model.embed_tokens.attend(x_bte)
-        return self.lm_head(x_bte)
+            y = self.model.embed_tokens.attend(x2)
+        else:
+            y = self.lm_head(x2)
+        return y.reshape(*x_bte.shape[:-1], y.shape[-1])
 
     def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, cache=None):
         x, cache = self.hidden_states(tokens_bt, positions_bt, segment_ids_bt, cache)

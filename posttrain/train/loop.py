@@ -177,25 +177,42 @@ def train_language_model(cfg: RunConfig, run_dir: Path, loss_fn=next_token_loss)
         seen_path = run_dir / "data_order.jsonl"
         last: dict = {}
         try:
+            # Metrics of step k are fetched after step k+1 is dispatched, so the host prepares
+            # the next batch while the device computes (no sync per step).
+            pending: tuple | None = None
+            t_prev = time.perf_counter()
+
+            def flush(p):
+                nonlocal t_prev, last
+                step_no, m_dev, n_tok, extra = p
+                m = jax.device_get(m_dev)
+                now = time.perf_counter()
+                m.update(batch_tokens=n_tok, tokens_per_s=n_tok / max(now - t_prev, 1e-9), **extra)
+                t_prev = now
+                tracker.log(step_no, m)
+                last = m
+
+            feed = data.batches()
             for step in range(start, t.steps):
-                batch, row_ids = data.next_batch()
+                batch, row_ids, data_state = next(feed)
                 with seen_path.open("a") as f:
                     f.write(json.dumps({"step": step + 1, "rows": row_ids}) + "\n")
-                t0 = time.perf_counter()
                 state, m = step_fn(state, jax.device_put(batch, bsh))
-                m = jax.device_get(m)
-                dt = time.perf_counter() - t0
-                m["tokens_per_s"] = float((batch["segment_ids"] > 0).sum()) / dt
-                m["skipped_rows"] = data.skipped
+                if pending is not None:
+                    flush(pending)
+                extra = {}
                 if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
-                    m["eval_loss"] = _eval_loss(eval_fn, state, eval_batches, bsh)
-                tracker.log(step + 1, m)
-                last = m
+                    extra["eval_loss"] = _eval_loss(eval_fn, state, eval_batches, bsh)
+                extra["skipped_rows"] = data_state["skipped"]
+                pending = (step + 1, m, float((batch["segment_ids"] > 0).sum()), extra)
                 if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 \
                         and step + 1 != t.steps:
-                    _save(ckpt, step + 1, graphdef, state, model_cfg, data, lora_meta)
+                    _save(ckpt, step + 1, graphdef, state, model_cfg, data_state, lora_meta)
+            if pending is not None:
+                flush(pending)
             if ckpt.latest_step() != t.steps:
-                _save(ckpt, t.steps, graphdef, state, model_cfg, data, lora_meta)
+                _save(ckpt, t.steps, graphdef, state, model_cfg,
+                      data_state if t.steps > start else data.state(), lora_meta)
             ckpt.wait()
         finally:
             tracker.close()
@@ -214,9 +231,9 @@ def _train_item(state: TrainState) -> dict:
 
 
 def _save(ckpt: Checkpointer, step: int, graphdef, state: TrainState, model_cfg: ModelConfig,
-          data: PackedBatches, lora: dict) -> None:
+          data_state: dict, lora: dict) -> None:
     full = nnx.state(nnx.merge(graphdef, state.params, state.frozen))
-    meta = {"model_config": model_cfg.model_dump(mode="json"), "data_state": data.state(),
+    meta = {"model_config": model_cfg.model_dump(mode="json"), "data_state": data_state,
             "step": step, "lora": lora}
     ckpt.save(step, full, _train_item(state), meta, force=True)
 

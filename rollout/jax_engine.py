@@ -1,0 +1,138 @@
+"""The native JAX rollout engine: prefill + batched decode on the trainer's own model code.
+
+One jitted function does the whole generation: a prefill of the (right-padded) prompts into the
+KV cache, then a `lax.while_loop` that samples a token per sequence, feeds it back, and stops as
+soon as every sequence has hit a stop token or the length limit. No Python runs per token. Shapes
+are bucketed (batch to a power of two, prompt and generation lengths to multiples of 32) so a
+new batch rarely compiles. With a sharded model the same function runs over the mesh.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from posttrain.models.transformer import CausalLM, KVCache
+from rollout.engine import Rollout, SamplingParams, apply_stop_strings
+from rollout.sampling import sample
+
+
+def bucket_pow2(n: int, minimum: int = 8) -> int:
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def bucket_mult(n: int, m: int = 32) -> int:
+    return max(m, -(-n // m) * m)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "gen_len"))
+def _generate(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p, max_new,
+              stop_ids, gen_len: int):
+    model = nnx.merge(graphdef, state)
+    b, tp = tokens_bt.shape
+    cache = KVCache.init(model.cfg, b, tp + gen_len)
+    pos = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (b, tp))
+    seg = (pos < lens_b[:, None]).astype(jnp.int32)
+    logits, cache = model(tokens_bt, pos, seg, cache=cache)
+    last = jnp.take_along_axis(logits, (lens_b - 1)[:, None, None], axis=1)[:, 0]
+
+    def cond(c):
+        i, _, _, _, _, done, _ = c
+        return (i < max_new) & ~jnp.all(done)
+
+    def body(c):
+        i, cache, cur, out_t, out_lp, done, n = c
+        tok, lp = sample(jax.random.fold_in(key, i), cur, temperature, top_k, top_p)
+        tok = jnp.where(done, 0, tok).astype(jnp.int32)
+        out_t = out_t.at[:, i].set(tok)
+        out_lp = out_lp.at[:, i].set(jnp.where(done, 0.0, lp))
+        n = n + (~done).astype(jnp.int32)
+        hit_stop = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+        done = done | hit_stop | (i + 1 >= max_new)
+        logits, cache = model(tok[:, None], (lens_b + i)[:, None],
+                              jnp.ones((b, 1), jnp.int32), cache=cache)
+        return i + 1, cache, logits[:, 0], out_t, out_lp, done, n
+
+    init = (jnp.int32(0), cache, last, jnp.zeros((b, gen_len), jnp.int32),
+            jnp.zeros((b, gen_len), jnp.float32), jnp.zeros((b,), bool), jnp.zeros((b,), jnp.int32))
+    _, _, _, out_t, out_lp, _, n = jax.lax.while_loop(cond, body, init)
+    return out_t, out_lp, n
+
+
+class JaxEngine:
+    def __init__(self, model: CausalLM, tokenizer=None, *, eos_token_ids: Sequence[int] = (),
+                 version: int = 0, seed: int = 0):
+        self.graphdef, self.state = nnx.split(model)
+        self.cfg = model.cfg
+        self.tokenizer = tokenizer
+        eos = set(eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos = sorted(eos)
+        self.version = version
+        self._calls = 0
+        self._seed = seed
+
+    # ---- weights ---------------------------------------------------------------------------
+    def update_weights(self, weights, version: int) -> dict[str, float]:
+        """`weights`: an nnx.State of this model's layout (colocated: handed over as is), or a
+        mapping of HF tensor names to arrays (from `rollout.weight_sync.export_hf`)."""
+        t0 = time.perf_counter()
+        if isinstance(weights, nnx.State):
+            nnx.update(model := nnx.merge(self.graphdef, self.state), weights)
+            nbytes = sum(x.nbytes for x in jax.tree.leaves(weights))
+        else:
+            from converters.hf import hf_to_nnx
+            from converters.loading import set_params
+
+            model = nnx.merge(self.graphdef, self.state)
+            set_params(model, hf_to_nnx(self.cfg, lambda k: np.asarray(weights[k])))
+            nbytes = sum(np.asarray(v).nbytes for v in weights.values())
+        _, self.state = nnx.split(model)
+        self.version = version
+        return {"sync/bytes": float(nbytes), "sync/seconds": time.perf_counter() - t0}
+
+    # ---- generation ------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
+        rows = [list(p) for p in prompt_token_ids for _ in range(params.n)]
+        if not rows:
+            return []
+        if any(len(r) == 0 for r in rows):
+            raise ValueError("empty prompt")
+        b = bucket_pow2(len(rows))
+        tp = bucket_mult(max(len(r) for r in rows))
+        gen_len = bucket_mult(params.max_tokens)
+        tokens = np.zeros((b, tp), np.int32)
+        lens = np.ones((b,), np.int32)
+        for i, r in enumerate(rows):
+            tokens[i, : len(r)] = r
+            lens[i] = len(r)
+        stop = sorted(set(self.eos) | set(params.stop_token_ids))
+        stop_ids = np.full((bucket_pow2(len(stop), 4),), -1, np.int32)
+        stop_ids[: len(stop)] = stop
+        seed = params.seed if params.seed is not None else self._seed * 1_000_003 + self._calls
+        self._calls += 1
+        out_t, out_lp, n = jax.device_get(_generate(
+            self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(lens), jax.random.key(seed),
+            jnp.float32(params.temperature), jnp.int32(params.top_k), jnp.float32(params.top_p),
+            jnp.int32(params.max_tokens), jnp.asarray(stop_ids), gen_len=gen_len))
+        out = []
+        stop_set = set(stop)
+        for i, r in enumerate(rows):
+            k = int(n[i])
+            ids, lps = out_t[i, :k].tolist(), out_lp[i, :k].tolist()
+            finish = "stop" if k and ids[-1] in stop_set else "length"
+            ids, lps, text, finish = apply_stop_strings(self.decode, ids, lps, params.stop, finish)
+            out.append(Rollout(i // params.n, r, ids, lps, text, finish, self.version))
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
