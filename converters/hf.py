@@ -98,11 +98,16 @@ def hf_to_nnx(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> dict[tuple,
     return flat
 
 
-def nnx_to_hf(cfg: ModelConfig, flat: dict[tuple, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (HF name, array in HF layout) one tensor at a time."""
+def nnx_to_hf(cfg: ModelConfig, flat: dict[tuple, np.ndarray],
+              contiguous: bool = True) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (HF name, array in HF layout) one tensor at a time. With `contiguous=False` the
+    arrays are views (a layer slice, a transpose) of whatever array type `flat` holds, e.g. torch
+    tensors over JAX buffers via DLPack: the handover to vLLM then copies nothing."""
     for name in hf_tensor_names(cfg):
         path, layer, transpose = our_path(cfg, name)
         arr = flat[path]
         if layer is not None:
             arr = arr[layer]
-        yield name, (np.ascontiguousarray(arr.T) if transpose else arr)
+        if transpose:
+            arr = np.ascontiguousarray(arr.T) if contiguous else arr.T
+        yield name, arr

@@ -46,6 +46,7 @@ class VllmEngine:
 
         def load(worker):
             worker.model_runner.reload_weights(weights_iterator=iter(tensors))
+            _refresh_embedding_gemms(worker.model_runner.get_model())
 
         with torch.no_grad():
             self.llm.collective_rpc(load)
@@ -72,6 +73,18 @@ class VllmEngine:
                                         "stop" if c.finish_reason == "stop" else "length",
                                         self.version))
         return rollouts
+
+
+def _refresh_embedding_gemms(model) -> None:
+    """vLLM's CPU backend prepacks the embedding matrix for its use as a tied LM head
+    (`UnquantizedEmbeddingMethod.process_weights_after_loading`), and `reload_weights` does not
+    redo it: a tied model would keep computing logits with the old embedding. Redo it."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, UnquantizedEmbeddingMethod):
+            method.process_weights_after_loading(module)
 
 
 def _to_torch(arr):

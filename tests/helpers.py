@@ -47,3 +47,18 @@ def torch_logits(model, ids: np.ndarray, mask: np.ndarray | None = None) -> np.n
         out = model(input_ids=torch.tensor(ids),
                     attention_mask=None if mask is None else torch.tensor(mask))
     return out.logits.float().numpy()
+
+
+def save_tiny_model_with_tokenizer(path: Path, arch: str = "qwen3", seed: int = 0, **kw):
+    """A tiny random HF model plus a locally trained BPE tokenizer (vocab 512) in one directory,
+    loadable by transformers, vLLM and `posttrain.models.from_pretrained`."""
+    from posttrain.data import generated
+    from posttrain.data.tokenizer import train_bpe
+
+    tok = train_bpe(generated.corpus_for_tokenizer(99), 512, Path(path))
+    kw.setdefault("vocab", 512)
+    model = save_tiny_hf_model(path, arch, seed, **kw)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.eos_token_id
+    model.generation_config.save_pretrained(path)
+    return model, tok

@@ -18,6 +18,16 @@ def full_sft(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A briefly pretrained base (plain text only: the chat format is new to it)."""
+    d = tmp_path_factory.mktemp("pre") / "base"
+    run("recipes/pretrain_tiny.yaml", d, ["train.steps=10", "train.eval_every=0",
+                                         "checkpoint.every=0", "data.seq_len=64",
+                                         "model.scan_layers=true"])
+    return d
+
+
 @pytest.mark.slow
 def test_sft_tiny_lowers_train_and_eval_loss(full_sft):
     m = metrics(full_sft)
@@ -30,13 +40,13 @@ def test_sft_tiny_lowers_train_and_eval_loss(full_sft):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("int8_base", [False, True])
-def test_lora_trains_only_adapters(full_sft, tmp_path, int8_base):
+def test_lora_trains_only_adapters(pretrained, tmp_path, int8_base):
     d = tmp_path / "lora"
-    run(RECIPE, d, ["train.steps=12", "checkpoint.every=0", "train.eval_every=0",
-                    "data.seq_len=96", f"model.path={full_sft}", "model.config=null",
+    run(RECIPE, d, ["train.steps=16", "checkpoint.every=0", "train.eval_every=0",
+                    "data.seq_len=96", f"model.path={pretrained}", "model.config=null",
                     "model.lora.rank=8", "model.lora.alpha=16", f"model.lora.int8_base={int8_base}",
                     "optimizer.learning_rate=1e-2"])
-    _, start = final_params(full_sft)
+    _, start = final_params(pretrained)
     _, end = final_params(d)
     lora_keys = [k for k in end if "_lora_" in k]
     assert len(lora_keys) == 2 * 7 * 4  # (A, B) x 7 projections x 4 layers
@@ -49,14 +59,14 @@ def test_lora_trains_only_adapters(full_sft, tmp_path, int8_base):
         from converters.hf import nnx_to_hf
         from posttrain.models import from_pretrained
 
-        cfg = from_pretrained(full_sft).cfg
+        cfg = from_pretrained(pretrained).cfg
         want = dict(nnx_to_hf(cfg, canonical_params(start, None)))
         got = dict(nnx_to_hf(cfg.model_copy(update={"scan_layers": False}),
                              canonical_params(base, None)))
         for k in want:
             np.testing.assert_array_equal(got[k], want[k], err_msg=k)
     m = metrics(d)
-    assert np.mean([x["loss"] for x in m[-3:]]) < np.mean([x["loss"] for x in m[:3]])
+    assert np.mean([x["loss"] for x in m[-3:]]) < 0.7 * np.mean([x["loss"] for x in m[:3]])
 
 
 @pytest.mark.slow

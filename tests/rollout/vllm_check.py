@@ -1,0 +1,27 @@
+"""Runs the vLLM engine in its own process (vLLM owns process-wide state) and prints JSON:
+greedy ids, sampled ids + logprobs, and greedy ids after an in-memory weight update."""
+
+import json
+import os
+import sys
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+from safetensors.torch import load_file  # noqa: E402
+
+from rollout.engine import SamplingParams  # noqa: E402
+from rollout.vllm_engine import VllmEngine  # noqa: E402
+
+model_dir, new_weights, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+eng = VllmEngine(model_dir, max_model_len=256)
+out = {"greedy": [r.token_ids for r in eng.generate(prompts, SamplingParams(temperature=0, max_tokens=24))]}
+sampled = eng.generate(prompts, SamplingParams(temperature=1.0, max_tokens=24, n=2, seed=7))
+out["sampled"] = [(r.prompt_index, r.token_ids, r.logprobs) for r in sampled]
+sampled = eng.generate(prompts, SamplingParams(temperature=0.7, max_tokens=24, n=2, seed=7))
+out["sampled_t07"] = [(r.prompt_index, r.token_ids, r.logprobs) for r in sampled]
+metrics = eng.update_weights(load_file(new_weights), version=1)  # in memory, not from disk
+after = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+out["after"] = [r.token_ids for r in after]
+out["versions"] = sorted({r.version for r in after})
+out["sync"] = metrics
+print("@@JSON@@" + json.dumps(out))
