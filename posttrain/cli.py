@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--devices", type=int, default=None,
                      help="device count to check the mesh against (default: this machine's)")
     val.set_defaults(fn=_cmd_validate)
+
+    from rollout.cli_generate import add_parser as add_generate
+
+    add_generate(sub)
     return p
 
 

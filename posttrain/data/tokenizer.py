@@ -36,7 +36,9 @@ def train_bpe(texts: list[str], vocab_size: int, out_dir: Path):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(texts, trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS,
+    # As Qwen3's instruct tokenizers: a turn (and a document) ends with <|im_end|>; padding is
+    # <|endoftext|>.
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=EOS,
                                  chat_template=CHAT_TEMPLATE)
     out_dir.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(out_dir)

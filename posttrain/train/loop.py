@@ -130,6 +130,10 @@ def save_hf_export(model: nnx.Module, out: Path, tokenizer) -> None:
 
     save_hf(model, out)
     tokenizer.save_pretrained(out)
+    from transformers import GenerationConfig
+
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                     bos_token_id=None).save_pretrained(out)
 
 
 # ---- the loop --------------------------------------------------------------------------------

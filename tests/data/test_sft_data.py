@@ -41,7 +41,7 @@ def test_assistant_mask_covers_exactly_the_replies(tok):
 def test_prompt_completion_mask(tok):
     enc = Encoder(tok, DataSection(format="prompt_completion"), "mem")
     ids, mask = enc({"prompt": "What is 2 + 3?", "completion": " The answer is 5."}, 0)
-    assert decode_masked(tok, ids, mask) == " The answer is 5.<|endoftext|>"
+    assert decode_masked(tok, ids, mask) == " The answer is 5.<|im_end|>"
 
 
 @pytest.mark.parametrize("row,why", [

@@ -1,0 +1,23 @@
+"""`posttrain generate` prints one JSON line per completion."""
+
+import json
+import subprocess
+import sys
+
+from tests.helpers import save_tiny_model_with_tokenizer
+
+
+def test_generate_jax_json_lines(tmp_path):
+    save_tiny_model_with_tokenizer(tmp_path, "qwen3")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("What is 1 + 2?\nWhat is 3 - 1?\n")
+    r = subprocess.run([sys.executable, "-m", "posttrain.cli", "generate", "--model", str(tmp_path),
+                        "--engine", "jax", "--prompts", str(prompts), "--n", "2", "--max-tokens", "8",
+                        "--seed", "0", "--chat"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(x) for x in r.stdout.splitlines()]
+    assert len(rows) == 4 and [x["prompt"] for x in rows] == ["What is 1 + 2?"] * 2 + ["What is 3 - 1?"] * 2
+    assert all(len(x["token_ids"]) == len(x["logprobs"]) <= 8 for x in rows)
+    r = subprocess.run([sys.executable, "-m", "posttrain.cli", "generate", "--model",
+                        str(tmp_path / "nope"), "--prompt", "x"], capture_output=True, text=True)
+    assert r.returncode == 2 and "no such model directory" in r.stderr
