@@ -204,6 +204,66 @@ class RewardsSection(Strict):
         return self
 
 
+class TISSection(Strict):
+    level: Literal["none", "token", "sequence"] = "token"
+    cap: float = Field(2.0, gt=0)
+
+
+class DynamicSampling(Strict):
+    enabled: bool = False
+    max_attempts: int = Field(3, gt=0)
+
+
+class GRPOSection(Strict):
+    group_size: int = Field(8, gt=1, description="completions per prompt (G)")
+    prompts_per_step: int = Field(8, gt=0)
+    max_tokens: int = Field(64, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    stop: list[str] = []
+    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    loss: Literal["token_clip", "gspo", "gspo_token"] = "token_clip"
+    clip_low: float | None = Field(None, description="default 0.2; GSPO: 3e-4")
+    clip_high: float | None = Field(None, description="default 0.2 (DAPO: 0.28); GSPO: 4e-4")
+    dual_clip: float | None = Field(None, gt=1)
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                         "seq_mean_token_sum_norm"] = "token_mean"
+    beta: float = Field(0.0, ge=0, description="KL coefficient; 0 skips the reference model")
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    mu: int = Field(1, gt=0, description="updates per batch")
+    mini_batches: int = Field(1, gt=0)
+    tis: TISSection = TISSection()
+    dynamic_sampling: DynamicSampling = DynamicSampling()
+    chat_template: bool = True
+
+    @property
+    def clip(self) -> tuple[float, float]:
+        lo, hi = (3e-4, 4e-4) if self.loss.startswith("gspo") else (0.2, 0.2)
+        return (self.clip_low if self.clip_low is not None else lo,
+                self.clip_high if self.clip_high is not None else hi)
+
+
+class RolloutSection(Strict):
+    engine: Literal["jax", "vllm"] = "jax"
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    num_workers: int = Field(2, gt=0, description="engines (disaggregated)")
+    gpu_memory_utilization: float = Field(0.15, gt=0, le=1)
+    tensor_parallel_size: int = Field(1, gt=0)
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+
+
+class EvalSection(Strict):
+    every: int = Field(0, ge=0, description="held-out evaluation every N steps (0: only at the end)")
+    num_problems: int = Field(200, gt=0)
+    reward: str | None = Field(None, description="reward label that defines 'correct' (default: first)")
+    max_tokens: int | None = None
+
+
+class RayConfig(Strict):
+    address: str | None = Field(None, description="join this cluster; default: start a local Ray")
+
+
 class RunConfig(Strict):
     name: str = "run"
     algorithm: Literal["pretrain", "sft", "grpo"] = "pretrain"
@@ -218,6 +278,10 @@ class RunConfig(Strict):
     tracking: TrackingSection = TrackingSection()
     mesh: MeshSection = MeshSection()
     rewards: RewardsSection = RewardsSection()
+    grpo: GRPOSection = GRPOSection()
+    rollout: RolloutSection = RolloutSection()
+    eval: EvalSection = EvalSection()
+    ray: RayConfig = RayConfig()
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -433,6 +497,17 @@ def cross_check(cfg: RunConfig, num_devices: int, *, produced_by_earlier_stage: 
         raise UserError(f"{prefix}data.format: pretrain trains on plain text (got {cfg.data.format})")
     if cfg.algorithm == "grpo" and cfg.model.path is None and not produced_by_earlier_stage:
         raise UserError(f"{prefix}model.path: grpo starts from a checkpoint; set model.path")
+    if cfg.algorithm == "grpo":
+        g = cfg.grpo
+        if not cfg.rewards.functions:
+            raise UserError(f"{prefix}rewards.functions: grpo needs at least one reward function")
+        rows = g.prompts_per_step * g.group_size
+        if rows % g.mini_batches or (rows // g.mini_batches) % cfg.train.grad_accum:
+            raise UserError(f"{prefix}grpo.mini_batches: {rows} completions per step must split "
+                            f"into {g.mini_batches} mini-batches of a multiple of train.grad_accum")
+        if g.max_tokens >= cfg.data.seq_len:
+            raise UserError(f"{prefix}data.seq_len: {cfg.data.seq_len} must exceed grpo.max_tokens "
+                            f"({g.max_tokens}) plus the prompt")
     if cfg.model.lora.rank and cfg.model.quantization == "int8":
         raise UserError(f"{prefix}model.quantization: int8 QAT and LoRA do not combine; for a "
                         "frozen int8 base use model.lora.int8_base: true")

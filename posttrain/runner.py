@@ -17,9 +17,9 @@ def algorithm_fn(name: str):
         from posttrain.algorithms import sft
 
         return sft.run
-    from posttrain.errors import UserError
+    from posttrain.pipeline import run_grpo
 
-    raise UserError(f"algorithm: {name} is not available in this build yet")
+    return run_grpo
 
 
 def run_stages(stages: list[RunConfig]) -> list[dict]:

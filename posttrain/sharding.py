@@ -107,3 +107,8 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
 
 def batch_sharding(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules, mesh))
+
+
+def shard_batch(batch: dict, mesh: Mesh, rules: Rules) -> dict:
+    """Put every array of a batch on the mesh, its leading (batch) axis split by the rules."""
+    return {k: jax.device_put(v, batch_sharding(mesh, rules, np.ndim(v))) for k, v in batch.items()}

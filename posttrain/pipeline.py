@@ -1,0 +1,382 @@
+"""The RL loop (GRPO, GSPO, DAPO, Dr.GRPO): prompts -> rollouts -> rewards -> advantages ->
+updates -> weight sync, coordinated by Ray when engines live in other processes.
+
+    posttrain run recipes/grpo_tiny.yaml
+
+One step, top to bottom:
+  1. take `grpo.prompts_per_step` prompts (seeded order, position saved in checkpoints);
+  2. the rollout engine samples `grpo.group_size` completions each (token ids + logprobs +
+     the policy version that produced them); DAPO dynamic sampling resamples groups with no
+     reward variance, up to `max_attempts`;
+  3. the reward pool scores them (worker processes, timeouts, fallbacks);
+  4. advantages per group; a padded [B, L] batch of prompt + completion tokens;
+  5. the trainer recomputes logp_old (and logp_ref when beta > 0) for the mismatch metrics and
+     truncated importance sampling, then runs `mu` passes of `mini_batches` updates;
+  6. the new weights go to every engine, which confirms the version;
+  7. metrics (time split, rewards, clip fraction, entropy, lengths, mismatch) and checkpoints.
+Placement `colocated`: the engine runs in this process on the trainer's devices and receives
+weights in memory. `disaggregated`: `rollout.num_workers` engines are Ray actors, weights travel
+through Ray's object store.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from posttrain.algorithms import grpo as G
+from posttrain.config import RunConfig
+from posttrain.data import generated
+from posttrain.data.dataset import load_rows
+from posttrain.errors import UserError
+from posttrain.sharding import make_mesh, shard_batch, use_mesh
+from posttrain.train.checkpoint import Checkpointer
+from posttrain.train.loop import create_model, prepare_tokenizer, resolve_model_config
+from posttrain.train.optimizer import lr_schedule, make_optimizer
+from posttrain.train.step import TrainState, make_train_step, token_logprobs
+
+
+# ---- prompts -----------------------------------------------------------------------------------
+class PromptIterator:
+    """Seeded order over prompt rows; `state()`/`restore()` for exact resume."""
+
+    def __init__(self, rows, seed: int):
+        self.rows, self.seed, self.epoch, self.index = rows, seed, 0, 0
+        if len(rows) == 0:
+            raise UserError("data.source: no prompts")
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def restore(self, st: dict) -> None:
+        self.epoch, self.index = st["epoch"], st["index"]
+
+    def take(self, k: int) -> list[dict]:
+        out = []
+        while len(out) < k:
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.rows))
+            while self.index < len(order) and len(out) < k:
+                out.append(dict(self.rows[int(order[self.index])]))
+                self.index += 1
+            if self.index >= len(order):
+                self.epoch, self.index = self.epoch + 1, 0
+        return out
+
+
+def prompt_rows(cfg: RunConfig, split: str, n: int | None = None) -> list[dict]:
+    if cfg.data.source == "generated":
+        g = cfg.data.generated
+        count = n or (g.num_train if split == "train" else g.num_eval)
+        return generated.prompt_completion_rows(split, count, g.max_operand, g.seed + (split == "eval"))
+    rows = load_rows(cfg.data.eval_source or cfg.data.source if split == "eval" else cfg.data.source,
+                     split, cfg.data)
+    return [dict(rows[i]) for i in range(min(len(rows), n or len(rows)))]
+
+
+def encode_prompt(row: dict, tokenizer, chat: bool, idx: int) -> list[int]:
+    prompt = row.get("prompt")
+    if prompt is None and "messages" in row:
+        prompt = [m for m in row["messages"] if m["role"] != "assistant"]
+    if not prompt:
+        raise UserError(f"data row {idx}: needs a 'prompt' (text or messages)")
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}] if chat else prompt
+    if isinstance(prompt, list):
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    else:
+        text = prompt
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def reward_columns(rows: list[dict], group: int, rollouts) -> dict:
+    cols = {k: [r[k] for r in rows for _ in range(group)] for k in rows[0] if k != "prompt"}
+    cols["completion_ids"] = [r.token_ids for r in rollouts]
+    return cols
+
+
+# ---- the training batch ---------------------------------------------------------------------------
+def build_batch(rollouts, advantages: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+    """Rows = prompt + completion, right-padded; masks/logprobs sit on the positions that
+    *predict* each completion token (position t predicts token t+1)."""
+    b = len(rollouts)
+    tokens = np.zeros((b, seq_len), np.int32)
+    seg = np.zeros((b, seq_len), np.int32)
+    mask = np.zeros((b, seq_len), np.float32)
+    lp_roll = np.zeros((b, seq_len), np.float32)
+    for i, r in enumerate(rollouts):
+        ids = (r.prompt_token_ids + r.token_ids)[:seq_len]
+        n, p = len(ids), len(r.prompt_token_ids)
+        tokens[i, :n] = ids
+        seg[i, :n] = 1
+        k = max(0, n - p)
+        mask[i, p - 1:p - 1 + k] = 1.0
+        lp_roll[i, p - 1:p - 1 + k] = r.logprobs[:k]
+    targets = np.zeros_like(tokens)
+    targets[:, :-1] = tokens[:, 1:]
+    pos = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (b, seq_len)).copy()
+    return {"tokens": tokens, "targets": targets, "positions": pos, "segment_ids": seg,
+            "loss_mask": mask, "logp_rollout": lp_roll,
+            "advantages": advantages.astype(np.float32)}
+
+
+def make_loss_fn(cfg: RunConfig):
+    g = cfg.grpo
+    policy, agg, kl = G.POLICY_LOSSES[g.loss], G.AGGREGATIONS[g.aggregation], G.KL_ESTIMATORS[g.kl_estimator]
+    clip_low, clip_high = g.clip
+
+    def loss_fn(model, batch):
+        logits = model(batch["tokens"], batch["positions"], batch["segment_ids"]) / g.temperature
+        logp = token_logprobs(logits, batch["targets"])
+        mask = batch["loss_mask"]
+        per_tok, aux = policy(logp, batch["logp_old"], batch["advantages"], mask, clip_low,
+                              clip_high, g.dual_clip)
+        per_tok = per_tok * G.truncated_is_weights(batch["logp_old"], batch["logp_rollout"], mask,
+                                                   g.tis.level, g.tis.cap)
+        n_tok = jnp.maximum(mask.sum(), 1)
+        if g.beta > 0:
+            k = kl(logp, batch["logp_ref"])
+            per_tok = per_tok + g.beta * k
+            aux["kl"] = (k * mask).sum() / n_tok
+        s, n = agg(per_tok, mask, float(g.max_tokens))
+        logz = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        entropy = logz - (probs * logits).sum(-1)
+        aux["entropy"] = jax.lax.stop_gradient((entropy * mask).sum() / n_tok)
+        return s, n, aux
+
+    return loss_fn
+
+
+def make_logprob_fn(graphdef, temperature: float):
+    def f(params, frozen, batch):
+        model = nnx.merge(graphdef, params, frozen)
+        logits = model(batch["tokens"], batch["positions"], batch["segment_ids"]) / temperature
+        return token_logprobs(logits, batch["targets"])
+
+    return jax.jit(f)
+
+
+# ---- engines -------------------------------------------------------------------------------------
+def build_engines(cfg: RunConfig, model, tokenizer, run_dir: Path):
+    r = cfg.rollout
+    hf_dir = run_dir / "rollout_hf"
+    if r.placement == "colocated" and r.engine == "jax":
+        from rollout.jax_engine import JaxEngine
+
+        return JaxEngine(model, tokenizer, seed=cfg.seed)
+    from converters.export import save_hf
+    from rollout.weight_sync import plain_state
+
+    save_hf(model, hf_dir)
+    tokenizer.save_pretrained(hf_dir)
+    del plain_state
+    if r.placement == "colocated":
+        from rollout.vllm_engine import VllmEngine
+
+        return VllmEngine(str(hf_dir), dtype=r.dtype, gpu_memory_utilization=r.gpu_memory_utilization,
+                          tensor_parallel_size=r.tensor_parallel_size, seed=cfg.seed)
+    import ray
+
+    from rollout.worker import WorkerGroup
+
+    if not ray.is_initialized():
+        ray.init(address=cfg.ray.address, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}}
+                 if jax.default_backend() == "cpu" else None)
+    spec = {"kind": r.engine, "model_dir": str(hf_dir), "tokenizer_dir": str(hf_dir), "seed": cfg.seed,
+            "vllm": {"dtype": r.dtype, "gpu_memory_utilization": r.gpu_memory_utilization,
+                     "tensor_parallel_size": r.tensor_parallel_size, "seed": cfg.seed}}
+    return WorkerGroup(spec, r.num_workers)
+
+
+def push_weights(engine, model_state, cfg_model, version: int) -> dict:
+    from rollout.weight_sync import push
+
+    return push([engine], model_state, cfg_model, version)
+
+
+# ---- evaluation ----------------------------------------------------------------------------------
+def evaluate(cfg: RunConfig, engine, tokenizer, pool, rows: list[dict]) -> dict:
+    from rollout.engine import SamplingParams
+
+    ids = [encode_prompt(r, tokenizer, cfg.grpo.chat_template, i) for i, r in enumerate(rows)]
+    outs = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=cfg.eval.max_tokens
+                                               or cfg.grpo.max_tokens, stop=tuple(cfg.grpo.stop)))
+    scores = pool.score([r["prompt"] for r in rows], [o.text for o in outs],
+                        reward_columns(rows, 1, outs), 1)
+    label = cfg.eval.reward or cfg.rewards.functions[0].label
+    correct = np.nan_to_num(scores.per_function[label]) >= 1.0
+    return {"eval/accuracy": float(correct.mean()), "eval/reward_mean": float(np.nanmean(scores.totals)),
+            "eval/completion_len": float(np.mean([len(o.token_ids) for o in outs]))}
+
+
+# ---- the loop ------------------------------------------------------------------------------------
+def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
+    from posttrain.tracking import Tracker
+    from rewards.pool import RewardPool
+    from rollout.engine import SamplingParams
+
+    g, t = cfg.grpo, cfg.train
+    tokenizer = prepare_tokenizer(cfg, run_dir)
+    model_cfg = resolve_model_config(cfg, tokenizer)
+    mesh = make_mesh(cfg.mesh)
+    with use_mesh(mesh, cfg.mesh.rules), RewardPool(cfg.rewards) as pool:
+        model = create_model(cfg, model_cfg, mesh)
+        trainable = nnx.LoRAParam if cfg.model.lora.rank else nnx.Param
+        graphdef, params, frozen = nnx.split(model, trainable, ...)
+        ref_params = jax.tree.map(jnp.copy, params) if g.beta > 0 else None  # beta 0: no reference
+        optimizer = make_optimizer(cfg.optimizer, t.steps * g.mu * g.mini_batches)
+        state = TrainState(params, frozen, jax.jit(optimizer.init)(params), jnp.zeros((), jnp.int32),
+                           jax.random.key_data(jax.random.key(cfg.seed)))
+        state_sh = jax.tree.map(lambda x: x.sharding, state)
+        loss_fn = make_loss_fn(cfg)
+        step_fn = jax.jit(make_train_step(graphdef, optimizer, loss_fn, t.grad_accum,
+                                          lr_schedule(cfg.optimizer, t.steps)),
+                          donate_argnums=0, out_shardings=(state_sh, None))
+        logprob_fn = make_logprob_fn(graphdef, g.temperature)
+
+        prompts = PromptIterator(prompt_rows(cfg, "train"), cfg.data.shuffle_seed)
+        eval_rows = prompt_rows(cfg, "eval", cfg.eval.num_problems)
+        train_pool_rows = prompts.rows[:1]
+        if cfg.rewards.dry_run:
+            r0 = train_pool_rows[0]
+            pool.dry_run(r0.get("prompt"), {k: v for k, v in r0.items() if k != "prompt"} |
+                         {"completion_ids": [0]})
+
+        ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_save)
+        start = 0
+        latest = ckpt.latest_step() if cfg.checkpoint.resume else None
+        if latest is not None:
+            full = nnx.state(nnx.merge(graphdef, state.params, state.frozen))
+            full, train, meta = ckpt.restore(latest, full, {"opt_state": state.opt_state,
+                                                            "step": state.step, "rng": state.rng})
+            _, p2, f2 = nnx.split(nnx.merge(graphdef, full), trainable, ...)
+            state = TrainState(p2, f2, train["opt_state"], train["step"], train["rng"])
+            prompts.restore(meta["data_state"])
+            start = latest
+        model = nnx.merge(graphdef, state.params, state.frozen)
+        engine = build_engines(cfg, model, tokenizer, run_dir)
+        if start:
+            push_weights(engine, nnx.state(model), model_cfg, start)
+
+        tracker = Tracker(cfg, run_dir, t.steps, start)
+        last: dict = {}
+        try:
+            if start == 0:
+                m0 = evaluate(cfg, engine, tokenizer, pool, eval_rows)
+                tracker.log(0, m0)
+            for step in range(start, t.steps):
+                times = {}
+                t0 = time.perf_counter()
+                sp = SamplingParams(n=g.group_size, temperature=g.temperature, top_p=g.top_p,
+                                    top_k=g.top_k, max_tokens=g.max_tokens, stop=tuple(g.stop),
+                                    seed=cfg.seed * 1_000_003 + step * 101)
+                rows, rollouts, scores, attempts = [], [], None, 0
+                while True:  # DAPO dynamic sampling: refill groups that carry no signal
+                    attempts += 1
+                    new_rows = prompts.take(g.prompts_per_step - len(rows) // 1 if not rows else
+                                            g.prompts_per_step - len(rows))
+                    ids = [encode_prompt(r, tokenizer, g.chat_template, i) for i, r in enumerate(new_rows)]
+                    sp_a = SamplingParams(**{**sp.__dict__, "seed": sp.seed + attempts})
+                    tr = time.perf_counter()
+                    outs = engine.generate(ids, sp_a)
+                    times["time/rollout"] = times.get("time/rollout", 0) + time.perf_counter() - tr
+                    tr = time.perf_counter()
+                    sc = pool.score([r["prompt"] for r in new_rows for _ in range(g.group_size)],
+                                    [o.text for o in outs], reward_columns(new_rows, g.group_size, outs),
+                                    g.group_size)
+                    times["time/reward"] = times.get("time/reward", 0) + time.perf_counter() - tr
+                    keep_groups = sc.keep.reshape(-1, g.group_size).all(1)
+                    if g.dynamic_sampling.enabled:
+                        keep_groups &= G.informative_groups(np.nan_to_num(sc.totals), g.group_size)
+                    for gi in np.flatnonzero(keep_groups):
+                        rows.append(new_rows[gi])
+                        rollouts.extend(outs[gi * g.group_size:(gi + 1) * g.group_size])
+                    scores = sc if scores is None else scores
+                    last_scores = sc
+                    rewards_kept = np.concatenate([np.nan_to_num(last_scores.totals).reshape(
+                        -1, g.group_size)[keep_groups].reshape(-1)])
+                    if "all_rewards" not in times:
+                        times["all_rewards"] = []
+                    times["all_rewards"].append(rewards_kept)
+                    if len(rows) >= g.prompts_per_step or not g.dynamic_sampling.enabled \
+                            or attempts >= g.dynamic_sampling.max_attempts:
+                        break
+                all_rewards = np.concatenate(times.pop("all_rewards"))[:len(rollouts)]
+                if len(rows) < g.prompts_per_step:  # pad with zero-advantage groups to keep shapes
+                    fill = g.prompts_per_step - len(rows)
+                    rows += [rows[-1] if rows else new_rows[0]] * fill
+                    rollouts += (rollouts[-g.group_size:] if rollouts else outs[:g.group_size]) * fill
+                    all_rewards = np.concatenate([all_rewards, np.zeros(fill * g.group_size)])
+                    adv_mask = np.r_[np.ones(len(all_rewards) - fill * g.group_size), np.zeros(fill * g.group_size)]
+                else:
+                    rows, rollouts = rows[:g.prompts_per_step], rollouts[:g.prompts_per_step * g.group_size]
+                    all_rewards = all_rewards[:len(rollouts)]
+                    adv_mask = np.ones(len(rollouts))
+                adv = G.ADVANTAGES[g.advantage](all_rewards, g.group_size) * adv_mask
+                batch = build_batch(rollouts, adv, cfg.data.seq_len)
+
+                tr = time.perf_counter()
+                dev = shard_batch(batch, mesh, cfg.mesh.rules)
+                dev["logp_old"] = logprob_fn(state.params, state.frozen, dev)
+                if ref_params is not None:
+                    dev["logp_ref"] = logprob_fn(ref_params, state.frozen, dev)
+                logp_old = np.asarray(dev["logp_old"])
+                times["time/logprob"] = time.perf_counter() - tr
+
+                tr = time.perf_counter()
+                n_rows = len(rollouts)
+                mb = n_rows // g.mini_batches
+                ms = []
+                for _ in range(g.mu):
+                    for k in range(g.mini_batches):
+                        sub = jax.tree.map(lambda x: x[k * mb:(k + 1) * mb], dev)
+                        state, m = step_fn(state, sub)
+                        ms.append(m)
+                m = jax.tree.map(lambda *xs: float(np.mean(xs)), *jax.device_get(ms))
+                times["time/update"] = time.perf_counter() - tr
+
+                tr = time.perf_counter()
+                model = nnx.merge(graphdef, state.params, state.frozen)
+                sync = push_weights(engine, nnx.state(model), model_cfg, step + 1)
+                times["time/sync"] = time.perf_counter() - tr
+
+                lens = np.array([len(r.token_ids) for r in rollouts])
+                m.update(times)
+                m.update(last_scores.metrics)
+                m.update(G.mismatch_metrics(logp_old, batch["logp_rollout"], batch["loss_mask"]))
+                m.update({"reward_mean": float(all_rewards.mean()), "reward_std": float(all_rewards.std()),
+                          "completion_len/mean": float(lens.mean()), "completion_len/max": float(lens.max()),
+                          "completion_len/clipped": float(np.mean([r.finish_reason == "length" for r in rollouts])),
+                          "sampling/attempts": float(attempts), "policy_version": float(step + 1),
+                          "time/step": time.perf_counter() - t0, **sync})
+                if cfg.eval.every and (step + 1) % cfg.eval.every == 0 or step + 1 == t.steps:
+                    m.update(evaluate(cfg, engine, tokenizer, pool, eval_rows))
+                tracker.log(step + 1, m)
+                last = m
+                if (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or step + 1 == t.steps:
+                    full = nnx.state(model)
+                    ckpt.save(step + 1, full, {"opt_state": state.opt_state, "step": state.step,
+                                               "rng": state.rng},
+                              {"model_config": model_cfg.model_dump(mode="json"),
+                               "data_state": prompts.state(), "step": step + 1,
+                               "policy_version": step + 1,
+                               "lora": cfg.model.lora.model_dump() if cfg.model.lora.rank else {}},
+                              force=True)
+            ckpt.wait()
+        finally:
+            tracker.close()
+            ckpt.close()
+            if hasattr(engine, "shutdown"):
+                engine.shutdown()
+        from posttrain.train.checkpoint import load_model_from_checkpoint
+        from posttrain.train.loop import save_hf_export
+
+        save_hf_export(load_model_from_checkpoint(run_dir / "checkpoints"), run_dir / "hf", tokenizer)
+    return {k: v for k, v in last.items() if isinstance(v, float)}
