@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rollout.cli_generate import add_parser as add_generate
 
     add_generate(sub)
+    from posttrain.evaluate import add_parser as add_eval
+
+    add_eval(sub)
     return p
 
 

@@ -70,6 +70,7 @@ class GeneratedData(Strict):
     num_train: int = Field(20000, gt=0)
     num_eval: int = Field(500, gt=0)
     max_operand: int = Field(99, gt=0)
+    eval_fraction: float = Field(0.1, gt=0, lt=1, description="share of all problems held out")
     seed: int = 0
 
 
@@ -258,6 +259,8 @@ class EvalSection(Strict):
     num_problems: int = Field(200, gt=0)
     reward: str | None = Field(None, description="reward label that defines 'correct' (default: first)")
     max_tokens: int | None = None
+    after_stage: bool = Field(False, description="held-out accuracy after the stage; a summary "
+                              "table and plot for the recipe")
 
 
 class RayConfig(Strict):

@@ -73,7 +73,7 @@ def prompt_rows(cfg: RunConfig, split: str, n: int | None = None) -> list[dict]:
     if cfg.data.source == "generated":
         g = cfg.data.generated
         count = n or (g.num_train if split == "train" else g.num_eval)
-        return generated.prompt_completion_rows(split, count, g.max_operand, g.seed + (split == "eval"))
+        return generated.prompt_completion_rows(split, count, g.max_operand, g.seed, g.eval_fraction)
     rows = load_rows(cfg.data.eval_source or cfg.data.source if split == "eval" else cfg.data.source,
                      split, cfg.data)
     return [dict(rows[i]) for i in range(min(len(rows), n or len(rows)))]

@@ -23,8 +23,13 @@ def algorithm_fn(name: str):
 
 
 def run_stages(stages: list[RunConfig]) -> list[dict]:
+    import time
+
     results = []
     prev: RunConfig | None = None
+    root = Path(stages[0].run_dir).parent if len(stages) > 1 else Path(stages[0].run_dir)
+    seconds: dict[str, float] = {}
+    done: list[RunConfig] = []
     for i, cfg in enumerate(stages):
         if prev is not None and cfg.model.path is None:
             update = {"model": cfg.model.model_copy(update={"path": str(Path(prev.run_dir) / "checkpoints")})}
@@ -37,6 +42,20 @@ def run_stages(stages: list[RunConfig]) -> list[dict]:
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
         if len(stages) > 1:
             console.rule(f"stage {i + 1}/{len(stages)}: {cfg.name} ({cfg.algorithm})")
+        t0 = time.time()
         results.append(algorithm_fn(cfg.algorithm)(cfg, run_dir))
+        seconds[cfg.name] = time.time() - t0
+        if cfg.eval.after_stage:
+            from posttrain.report import stage_accuracy
+
+            acc = stage_accuracy(cfg, root)
+            console.print(f"[bold]{cfg.name}[/]: held-out accuracy {100 * acc['accuracy']:.1f}% "
+                          f"on {acc['problems']} problems")
         prev = cfg
+        done.append(cfg)
+    if any(c.eval.after_stage for c in done):
+        from posttrain.report import write_report
+
+        write_report(done, root, seconds)
+        console.print((root / "summary.md").read_text())
     return results

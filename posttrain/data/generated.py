@@ -40,33 +40,37 @@ def all_problems(max_operand: int) -> list[Problem]:
             for op in "+-"]
 
 
-def problems(split: str, n: int, max_operand: int, seed: int) -> list[Problem]:
-    """`n` problems of `split` ('train' or 'eval'), sampled with replacement when n exceeds the pool."""
-    pool = [p for p in all_problems(max_operand) if is_held_out(p) == (split == "eval")]
+def problems(split: str, n: int, max_operand: int, seed: int, eval_fraction: float = 0.1) -> list[Problem]:
+    """`n` problems of `split` ('train' or 'eval'): eval draws without replacement (at most the
+    whole held-out pool), train samples with replacement when n exceeds its pool."""
+    pool = [p for p in all_problems(max_operand) if is_held_out(p, eval_fraction) == (split == "eval")]
     rng = random.Random(f"{seed}-{split}")
+    if split == "eval":
+        return rng.sample(pool, min(n, len(pool)))
     if n <= len(pool):
         return rng.sample(pool, n)
     return [rng.choice(pool) for _ in range(n)]
 
 
-def text_rows(split: str, n: int, max_operand: int, seed: int) -> list[dict]:
-    return [{"text": p.text()} for p in problems(split, n, max_operand, seed)]
+def text_rows(split: str, n: int, max_operand: int, seed: int, eval_fraction: float = 0.1) -> list[dict]:
+    return [{"text": p.text()} for p in problems(split, n, max_operand, seed, eval_fraction)]
 
 
-def chat_rows(split: str, n: int, max_operand: int, seed: int) -> list[dict]:
+def chat_rows(split: str, n: int, max_operand: int, seed: int, eval_fraction: float = 0.1) -> list[dict]:
     return [{"messages": [{"role": "user", "content": p.question},
                           {"role": "assistant", "content": f"The answer is {p.answer}."}],
-             "answer": str(p.answer)} for p in problems(split, n, max_operand, seed)]
+             "answer": str(p.answer)} for p in problems(split, n, max_operand, seed, eval_fraction)]
 
 
-def prompt_completion_rows(split: str, n: int, max_operand: int, seed: int) -> list[dict]:
+def prompt_completion_rows(split: str, n: int, max_operand: int, seed: int, eval_fraction: float = 0.1) -> list[dict]:
     return [{"prompt": p.question, "completion": f" The answer is {p.answer}.",
-             "answer": str(p.answer)} for p in problems(split, n, max_operand, seed)]
+             "answer": str(p.answer)} for p in problems(split, n, max_operand, seed, eval_fraction)]
 
 
-def rows(fmt: str, split: str, n: int, max_operand: int, seed: int) -> list[dict]:
-    return {"text": text_rows, "messages": chat_rows,
-            "prompt_completion": prompt_completion_rows}[fmt](split, n, max_operand, seed)
+def rows(fmt: str, split: str, n: int, max_operand: int, seed: int,
+         eval_fraction: float = 0.1) -> list[dict]:
+    return {"text": text_rows, "messages": chat_rows, "prompt_completion": prompt_completion_rows}[
+        fmt](split, n, max_operand, seed, eval_fraction)
 
 
 def corpus_for_tokenizer(max_operand: int) -> list[str]:

@@ -1,0 +1,120 @@
+"""Rollout output tokens/s, side by side: our JAX engine, our vLLM engine, standalone vLLM and
+transformers' generate, on the reference workload (64 prompts x 64 new tokens, temperature 1,
+the 3.3M-parameter model), plus seconds per weight sync.
+
+    python -m benchmarks.rollout_throughput
+
+Each contender runs in its own process (vLLM and torch own process-wide state), alternating over
+rounds; the best round counts. Every completion is forced to 64 tokens (no stop token) so all
+sides produce the same number of tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS, NEW = 64, 64
+
+CHILD = r'''
+import json, os, sys, time
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+sys.path.insert(0, ".")
+kind, model_dir = sys.argv[1], sys.argv[2]
+import numpy as np
+rng = np.random.default_rng(0)
+prompts = [rng.integers(3, 400, int(rng.integers(8, 24))).tolist() for _ in range(%(P)d)]
+N = %(N)d
+def timed(fn, reps=3):
+    fn(); best = 1e9
+    for _ in range(reps):
+        t0 = time.perf_counter(); n = fn(); best = min(best, time.perf_counter() - t0)
+    return n / best
+if kind == "jax":
+    from posttrain.models import from_pretrained
+    from rollout.engine import SamplingParams
+    from rollout.jax_engine import JaxEngine
+    eng = JaxEngine(from_pretrained(model_dir), None, eos_token_ids=[])
+    eng.eos = [-5]  # no stop token: every row generates N tokens
+    sp = SamplingParams(temperature=1.0, max_tokens=N, seed=0)
+    tps = timed(lambda: sum(len(r.token_ids) for r in eng.generate(prompts, sp)))
+    import jax
+    from flax import nnx
+    st = nnx.state(from_pretrained(model_dir))
+    t0 = time.perf_counter(); eng.update_weights(st, 1); sync = time.perf_counter() - t0
+elif kind in ("vllm_ours", "vllm_raw"):
+    from vllm import LLM, SamplingParams as VSP
+    from vllm.inputs import TokensPrompt
+    if kind == "vllm_ours":
+        from rollout.engine import SamplingParams
+        from rollout.vllm_engine import VllmEngine
+        eng = VllmEngine(model_dir, gpu_memory_utilization=0.15)
+        sp = SamplingParams(temperature=1.0, max_tokens=N, seed=0)
+        tps = timed(lambda: sum(len(r.token_ids) for r in eng.generate(prompts, sp)))
+        from posttrain.models import from_pretrained
+        from rollout.weight_sync import hf_torch_views
+        m = from_pretrained(model_dir)
+        from flax import nnx
+        views = hf_torch_views(nnx.state(m, nnx.Param), m.cfg)
+        t0 = time.perf_counter(); eng.update_weights(views, 1); sync = time.perf_counter() - t0
+    else:
+        llm = LLM(model=model_dir, dtype="float32", gpu_memory_utilization=0.15, seed=0)
+        sp = VSP(temperature=1.0, max_tokens=N, ignore_eos=True, seed=0)
+        tps = timed(lambda: sum(len(o.outputs[0].token_ids) for o in llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)))
+        sync = None
+else:
+    import torch
+    torch.set_num_threads(2)
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(model_dir).float().eval()
+    L = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
+    def gen():
+        with torch.no_grad():
+            out = m.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=N,
+                             min_new_tokens=N, pad_token_id=0)
+        return (out.shape[1] - L) * out.shape[0]
+    tps = timed(gen, reps=1); sync = None
+print("@@" + json.dumps({"tokens_per_s": tps, "sync_s": sync}))
+''' % {"P": PROMPTS, "N": NEW}
+
+
+def child(kind: str, model_dir: Path) -> dict:
+    r = subprocess.run([sys.executable, "-c", CHILD, kind, str(model_dir)], cwd=ROOT,
+                       capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(r.stderr[-3000:])
+    return json.loads(r.stdout.split("@@")[-1])
+
+
+def main():
+    sys.path.insert(0, str(ROOT))
+    from tests.helpers import save_tiny_model_with_tokenizer
+
+    d = Path(tempfile.mkdtemp(prefix="rollout_bench_"))
+    # the reference model: hidden 256, 4 layers, 4 heads x 64, 2 KV heads, MLP 768, tied
+    save_tiny_model_with_tokenizer(d, "qwen3", hidden=256, inter=768, layers=4, heads=4, kv=2,
+                                   head_dim=64)
+    kinds = ["jax", "vllm_ours", "vllm_raw", "hf"]
+    res = {k: [] for k in kinds}
+    for _ in range(2):
+        for k in kinds:
+            res[k].append(child(k, d))
+    best = {k: max(x["tokens_per_s"] for x in v) for k, v in res.items()}
+    names = {"jax": "posttrain JAX engine", "vllm_ours": "posttrain vLLM engine",
+             "vllm_raw": "standalone vLLM", "hf": "transformers generate"}
+    print(f"{'engine':<24}{'output tokens/s':>16}{'vs standalone vLLM':>20}{'weight sync s':>15}")
+    for k in kinds:
+        sync = min((x["sync_s"] for x in res[k] if x["sync_s"] is not None), default=None)
+        print(f"{names[k]:<24}{best[k]:>16.0f}{best[k] / best['vllm_raw']:>19.2f}x"
+              f"{'' if sync is None else f'{sync:>15.4f}'}")
+
+
+if __name__ == "__main__":
+    main()

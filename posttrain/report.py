@@ -1,0 +1,90 @@
+"""Held-out accuracy after each stage, and the run's summary table and plot.
+
+`stage_accuracy` runs greedy decoding with the JAX engine on the held-out problems (generated
+eval split: never seen in any stage) and scores them with the recipe's correctness reward. A
+pretrained model is prompted with plain text ("What is a + b? The answer is"), later stages with
+the chat template. `write_report` leaves RUN_DIR/summary.md (a table) and RUN_DIR/progress.png
+(GRPO reward and held-out accuracy over steps).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from posttrain.config import RunConfig
+
+
+def stage_accuracy(cfg: RunConfig, root: Path) -> dict:
+    from posttrain.data.tokenizer import load_tokenizer
+    from posttrain.models import from_pretrained
+    from posttrain.pipeline import encode_prompt, prompt_rows, reward_columns
+    from rewards.pool import RewardPool
+    from rollout.engine import SamplingParams
+    from rollout.jax_engine import JaxEngine
+
+    run_dir = Path(cfg.run_dir)
+    tok = load_tokenizer(run_dir / "tokenizer")
+    engine = JaxEngine(from_pretrained(run_dir), tok)
+    rows = prompt_rows(cfg, "eval", cfg.eval.num_problems)
+    chat = cfg.algorithm != "pretrain"
+    if chat:
+        ids = [encode_prompt(r, tok, True, i) for i, r in enumerate(rows)]
+    else:
+        ids = [tok(r["prompt"] + " The answer is", add_special_tokens=False)["input_ids"] for r in rows]
+    outs = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=cfg.eval.max_tokens or 12))
+    texts = [o.text if chat else "The answer is" + o.text.split("\n")[0].split("What")[0] for o in outs]
+    label = cfg.eval.reward or cfg.rewards.functions[0].label
+    with RewardPool(cfg.rewards.model_copy(update={"dry_run": False})) as pool:
+        scores = pool.score([r["prompt"] for r in rows], texts, reward_columns(rows, 1, outs), 1)
+    acc = float((np.nan_to_num(scores.per_function[label]) >= 1.0).mean())
+    result = {"stage": cfg.name, "algorithm": cfg.algorithm, "accuracy": acc, "problems": len(rows),
+              "examples": [{"prompt": r["prompt"], "completion": t} for r, t in zip(rows[:3], texts)]}
+    with (root / "stage_accuracy.jsonl").open("a") as f:
+        f.write(json.dumps(result) + "\n")
+    return result
+
+
+def write_report(stages: list[RunConfig], root: Path, seconds: dict[str, float]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    acc = {}
+    path = root / "stage_accuracy.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            acc[row["stage"]] = row
+    lines = ["| stage | algorithm | steps | final train loss / reward | held-out accuracy (greedy) | minutes |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for cfg in stages:
+        m = [json.loads(x) for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+        last = m[-1] if m else {}
+        val = f"reward {last.get('reward_mean', float('nan')):.3f}" if cfg.algorithm == "grpo" \
+            else f"loss {last.get('loss', float('nan')):.3f}"
+        a = acc.get(cfg.name, {}).get("accuracy")
+        lines.append(f"| {cfg.name} | {cfg.algorithm} | {cfg.train.steps} | {val} | "
+                     f"{'' if a is None else f'{100 * a:.1f}%'} | {seconds.get(cfg.name, 0) / 60:.1f} |")
+    (root / "summary.md").write_text("\n".join(lines) + "\n")
+
+    rl = [c for c in stages if c.algorithm == "grpo"]
+    if not rl:
+        return
+    m = [json.loads(x) for x in (Path(rl[-1].run_dir) / "metrics.jsonl").read_text().splitlines()]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+    steps = [r["step"] for r in m if r.get("reward_mean") is not None]
+    ax[0].plot(steps, [r["reward_mean"] for r in m if r.get("reward_mean") is not None], lw=1)
+    ax[0].set(title="GRPO: mean reward per step", xlabel="step", ylabel="reward")
+    ev = [(r["step"], r["eval/accuracy"]) for r in m if r.get("eval/accuracy") is not None]
+    ax[1].plot([s for s, _ in ev], [100 * a for _, a in ev], marker="o", label="GRPO (held-out)")
+    for name, style in (("pretrain", ":"), ("sft", "--")):
+        if name in acc:
+            ax[1].axhline(100 * acc[name]["accuracy"], ls=style, c="gray", label=f"after {name}")
+    ax[1].set(title="held-out accuracy (greedy)", xlabel="GRPO step", ylabel="%")
+    ax[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(root / "progress.png", dpi=110)
