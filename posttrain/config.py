@@ -481,14 +481,23 @@ def cross_check(cfg: RunConfig, num_devices: int, *, produced_by_earlier_stage: 
     """Checks that span keys. Returns the resolved mesh shape."""
     shape = mesh_shape(cfg.mesh, num_devices)
     t = cfg.train
-    if t.batch_size % t.grad_accum:
-        raise UserError(f"{prefix}train.batch_size: {t.batch_size} is not divisible by "
-                        f"train.grad_accum ({t.grad_accum})")
-    micro = t.batch_size // t.grad_accum
     batch_shards = shape["data"] * shape["fsdp"]
-    if micro % batch_shards:
-        raise UserError(f"{prefix}train.batch_size: the micro-batch ({micro} = batch_size / "
-                        f"grad_accum) is not divisible by the data x fsdp mesh size ({batch_shards})")
+    if cfg.algorithm == "grpo":  # a GRPO batch is prompts x group, split into mini-batches
+        rows = cfg.grpo.prompts_per_step * cfg.grpo.group_size
+        micro = rows // cfg.grpo.mini_batches // t.grad_accum
+        if micro * cfg.grpo.mini_batches * t.grad_accum != rows or micro % batch_shards:
+            raise UserError(f"{prefix}grpo.prompts_per_step: {rows} completions per step must split "
+                            f"into grpo.mini_batches ({cfg.grpo.mini_batches}) x train.grad_accum "
+                            f"({t.grad_accum}) micro-batches divisible by the data x fsdp mesh size "
+                            f"({batch_shards})")
+    else:
+        if t.batch_size % t.grad_accum:
+            raise UserError(f"{prefix}train.batch_size: {t.batch_size} is not divisible by "
+                            f"train.grad_accum ({t.grad_accum})")
+        micro = t.batch_size // t.grad_accum
+        if micro % batch_shards:
+            raise UserError(f"{prefix}train.batch_size: the micro-batch ({micro} = batch_size / "
+                            f"grad_accum) is not divisible by the data x fsdp mesh size ({batch_shards})")
     for key, value in (("data.source", cfg.data.source), ("data.eval_source", cfg.data.eval_source),
                        ("tokenizer.path", cfg.tokenizer.path)):
         if value and value != "generated" and _looks_like_path(value) and not Path(value).exists():
@@ -504,10 +513,6 @@ def cross_check(cfg: RunConfig, num_devices: int, *, produced_by_earlier_stage: 
         g = cfg.grpo
         if not cfg.rewards.functions:
             raise UserError(f"{prefix}rewards.functions: grpo needs at least one reward function")
-        rows = g.prompts_per_step * g.group_size
-        if rows % g.mini_batches or (rows // g.mini_batches) % cfg.train.grad_accum:
-            raise UserError(f"{prefix}grpo.mini_batches: {rows} completions per step must split "
-                            f"into {g.mini_batches} mini-batches of a multiple of train.grad_accum")
         if g.max_tokens >= cfg.data.seq_len:
             raise UserError(f"{prefix}data.seq_len: {cfg.data.seq_len} must exceed grpo.max_tokens "
                             f"({g.max_tokens}) plus the prompt")

@@ -201,6 +201,48 @@ def push_weights(engine, model_state, cfg_model, version: int) -> dict:
     return push([engine], model_state, cfg_model, version)
 
 
+# ---- sampling a batch --------------------------------------------------------------------------
+def sample_groups(cfg: RunConfig, engine, pool, prompts: PromptIterator, tokenizer, sp, times: dict):
+    """Generate and score `prompts_per_step` groups. With DAPO dynamic sampling, groups whose
+    rewards are all equal (no signal) are dropped and more prompts are sampled, up to
+    `max_attempts`; a batch still short is filled with zero-advantage copies so shapes stay
+    fixed. Groups dropped by the reward pool (`fallback: drop_group`) are handled the same way."""
+    from rollout.engine import SamplingParams
+
+    g = cfg.grpo
+    kept_rollouts, kept_rewards, last_scores = [], [], None
+    for attempt in range(1, (g.dynamic_sampling.max_attempts if g.dynamic_sampling.enabled else 1) + 1):
+        need = g.prompts_per_step - len(kept_rollouts) // g.group_size
+        rows = prompts.take(need)
+        ids = [encode_prompt(r, tokenizer, g.chat_template, i) for i, r in enumerate(rows)]
+        t0 = time.perf_counter()
+        outs = engine.generate(ids, SamplingParams(**{**sp.__dict__, "seed": sp.seed + attempt}))
+        times["time/rollout"] = times.get("time/rollout", 0.0) + time.perf_counter() - t0
+        t0 = time.perf_counter()
+        last_scores = pool.score([r["prompt"] for r in rows for _ in range(g.group_size)],
+                                 [o.text for o in outs], reward_columns(rows, g.group_size, outs),
+                                 g.group_size)
+        times["time/reward"] = times.get("time/reward", 0.0) + time.perf_counter() - t0
+        totals = np.nan_to_num(last_scores.totals).reshape(-1, g.group_size)
+        keep = last_scores.keep.reshape(-1, g.group_size).all(1)
+        if g.dynamic_sampling.enabled:
+            keep &= G.informative_groups(totals.reshape(-1), g.group_size)
+        for gi in np.flatnonzero(keep):
+            kept_rollouts += outs[gi * g.group_size:(gi + 1) * g.group_size]
+            kept_rewards.append(totals[gi])
+        if len(kept_rollouts) >= g.prompts_per_step * g.group_size:
+            break
+    n_real = len(kept_rollouts)
+    rewards = np.concatenate(kept_rewards) if kept_rewards else np.zeros(0)
+    missing = g.prompts_per_step * g.group_size - n_real
+    if missing > 0:  # fill with copies that carry zero advantage
+        filler = (kept_rollouts or outs)[: g.group_size]
+        kept_rollouts += filler * (missing // g.group_size)
+        rewards = np.concatenate([rewards, np.zeros(missing)])
+    adv_mask = (np.arange(len(kept_rollouts)) < n_real).astype(np.float64)
+    return kept_rollouts, rewards, adv_mask, last_scores, attempt
+
+
 # ---- evaluation ----------------------------------------------------------------------------------
 def evaluate(cfg: RunConfig, engine, tokenizer, pool, rows: list[dict]) -> dict:
     from rollout.engine import SamplingParams
@@ -277,48 +319,8 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                 sp = SamplingParams(n=g.group_size, temperature=g.temperature, top_p=g.top_p,
                                     top_k=g.top_k, max_tokens=g.max_tokens, stop=tuple(g.stop),
                                     seed=cfg.seed * 1_000_003 + step * 101)
-                rows, rollouts, scores, attempts = [], [], None, 0
-                while True:  # DAPO dynamic sampling: refill groups that carry no signal
-                    attempts += 1
-                    new_rows = prompts.take(g.prompts_per_step - len(rows) // 1 if not rows else
-                                            g.prompts_per_step - len(rows))
-                    ids = [encode_prompt(r, tokenizer, g.chat_template, i) for i, r in enumerate(new_rows)]
-                    sp_a = SamplingParams(**{**sp.__dict__, "seed": sp.seed + attempts})
-                    tr = time.perf_counter()
-                    outs = engine.generate(ids, sp_a)
-                    times["time/rollout"] = times.get("time/rollout", 0) + time.perf_counter() - tr
-                    tr = time.perf_counter()
-                    sc = pool.score([r["prompt"] for r in new_rows for _ in range(g.group_size)],
-                                    [o.text for o in outs], reward_columns(new_rows, g.group_size, outs),
-                                    g.group_size)
-                    times["time/reward"] = times.get("time/reward", 0) + time.perf_counter() - tr
-                    keep_groups = sc.keep.reshape(-1, g.group_size).all(1)
-                    if g.dynamic_sampling.enabled:
-                        keep_groups &= G.informative_groups(np.nan_to_num(sc.totals), g.group_size)
-                    for gi in np.flatnonzero(keep_groups):
-                        rows.append(new_rows[gi])
-                        rollouts.extend(outs[gi * g.group_size:(gi + 1) * g.group_size])
-                    scores = sc if scores is None else scores
-                    last_scores = sc
-                    rewards_kept = np.concatenate([np.nan_to_num(last_scores.totals).reshape(
-                        -1, g.group_size)[keep_groups].reshape(-1)])
-                    if "all_rewards" not in times:
-                        times["all_rewards"] = []
-                    times["all_rewards"].append(rewards_kept)
-                    if len(rows) >= g.prompts_per_step or not g.dynamic_sampling.enabled \
-                            or attempts >= g.dynamic_sampling.max_attempts:
-                        break
-                all_rewards = np.concatenate(times.pop("all_rewards"))[:len(rollouts)]
-                if len(rows) < g.prompts_per_step:  # pad with zero-advantage groups to keep shapes
-                    fill = g.prompts_per_step - len(rows)
-                    rows += [rows[-1] if rows else new_rows[0]] * fill
-                    rollouts += (rollouts[-g.group_size:] if rollouts else outs[:g.group_size]) * fill
-                    all_rewards = np.concatenate([all_rewards, np.zeros(fill * g.group_size)])
-                    adv_mask = np.r_[np.ones(len(all_rewards) - fill * g.group_size), np.zeros(fill * g.group_size)]
-                else:
-                    rows, rollouts = rows[:g.prompts_per_step], rollouts[:g.prompts_per_step * g.group_size]
-                    all_rewards = all_rewards[:len(rollouts)]
-                    adv_mask = np.ones(len(rollouts))
+                rollouts, all_rewards, adv_mask, last_scores, attempts = sample_groups(
+                    cfg, engine, pool, prompts, tokenizer, sp, times)
                 adv = G.ADVANTAGES[g.advantage](all_rewards, g.group_size) * adv_mask
                 batch = build_batch(rollouts, adv, cfg.data.seq_len)
 
@@ -351,10 +353,12 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                 m.update(times)
                 m.update(last_scores.metrics)
                 m.update(G.mismatch_metrics(logp_old, batch["logp_rollout"], batch["loss_mask"]))
-                m.update({"reward_mean": float(all_rewards.mean()), "reward_std": float(all_rewards.std()),
+                real = all_rewards[adv_mask > 0] if (adv_mask > 0).any() else all_rewards
+                m.update({"reward_mean": float(real.mean()), "reward_std": float(real.std()),
                           "completion_len/mean": float(lens.mean()), "completion_len/max": float(lens.max()),
                           "completion_len/clipped": float(np.mean([r.finish_reason == "length" for r in rollouts])),
-                          "sampling/attempts": float(attempts), "policy_version": float(step + 1),
+                          "sampling/attempts": float(attempts), "sampling/filled_groups":
+                          float((adv_mask == 0).sum() / g.group_size), "policy_version": float(step + 1),
                           "time/step": time.perf_counter() - t0, **sync})
                 if cfg.eval.every and (step + 1) % cfg.eval.every == 0 or step + 1 == t.steps:
                     m.update(evaluate(cfg, engine, tokenizer, pool, eval_rows))
