@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import time
-import traceback
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,30 +29,25 @@ class RewardError(RuntimeError):
     """A reward function failed and `rewards.fail_fast` is set."""
 
 
-def _worker_main(conn) -> None:
-    from rewards.registry import call, resolve
-
-    while True:
-        try:
-            task = conn.recv()
-        except EOFError:
-            return
-        if task is None:
-            return
-        fn, adapter, kwargs, prompts, completions, columns = task
-        try:
-            out = call(resolve(fn, adapter), prompts, completions, kwargs, columns)
-            conn.send(("ok", out))
-        except BaseException as e:  # noqa: BLE001 - user code may raise anything
-            conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc(limit=4)))
-
-
 class _Worker:
+    START_TIMEOUT_S = 120.0
+
     def __init__(self, ctx):
+        from rewards._worker import worker_main
+
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        self.proc = ctx.Process(target=worker_main, args=(child,), daemon=True)
         self.proc.start()
         child.close()
+        self._ready = False
+
+    def wait_ready(self) -> None:
+        """Block until the process is up: start-up time never counts against a call's timeout."""
+        if not self._ready:
+            if not self.conn.poll(self.START_TIMEOUT_S):
+                raise RuntimeError("reward worker did not start")
+            self.conn.recv()
+            self._ready = True
 
     def kill(self) -> None:
         self.proc.kill()
@@ -107,6 +101,7 @@ class RewardPool:
         while pending:
             wave, pending = pending[: len(self._workers)], pending[len(self._workers):]
             for w, spec in zip(self._workers, wave):
+                w.wait_ready()
                 w.conn.send((spec.fn, spec.adapter, spec.kwargs, prompts, completions, columns))
             deadline = time.monotonic() + self.cfg.timeout_s
             for i, spec in enumerate(wave):

@@ -52,8 +52,17 @@ def problems(split: str, n: int, max_operand: int, seed: int, eval_fraction: flo
     return [rng.choice(pool) for _ in range(n)]
 
 
+def chatml(p: Problem) -> str:
+    """The same problem as a ChatML transcript (what `posttrain.data.tokenizer.CHAT_TEMPLATE`
+    renders); pretraining corpora hold chat transcripts too, so the chat format is not new at SFT."""
+    return (f"<|im_start|>user\n{p.question}<|im_end|>\n<|im_start|>assistant\n"
+            f"The answer is {p.answer}.")
+
+
 def text_rows(split: str, n: int, max_operand: int, seed: int, eval_fraction: float = 0.1) -> list[dict]:
-    return [{"text": p.text()} for p in problems(split, n, max_operand, seed, eval_fraction)]
+    """Pretraining documents: every other one a chat transcript, the rest plain sentences."""
+    return [{"text": chatml(p) if i % 2 else p.text()}
+            for i, p in enumerate(problems(split, n, max_operand, seed, eval_fraction))]
 
 
 def chat_rows(split: str, n: int, max_operand: int, seed: int, eval_fraction: float = 0.1) -> list[dict]:

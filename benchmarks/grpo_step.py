@@ -1,0 +1,136 @@
+"""Seconds per GRPO step: ours vs TRL's GRPOTrainer, side by side on the reference workload.
+
+    python -m benchmarks.grpo_step [--steps 12] [--rounds 2]
+
+Workload (ENVIRONMENT.md): the 3.3M-parameter Qwen3-architecture model (random weights, so every
+completion runs to the 64-token limit on both sides), 8 prompts x 8 completions, at most 64 new
+tokens, one update per batch, beta = 0, fp32, the same arithmetic prompts and the same
+correctness reward. Both run as separate processes, alternating; we report the median step after
+warm-up and our phase split (rollout, reward, logprob, update, sync).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WARMUP = 3
+
+RECIPE = """
+name: bench_grpo
+algorithm: grpo
+run_dir: {run_dir}
+model: {{path: {model}}}
+data: {{source: generated, format: prompt_completion, seq_len: 128}}
+optimizer: {{learning_rate: 1.0e-5, schedule: constant}}
+train: {{steps: {steps}, log_every: 100}}
+grpo: {{group_size: 8, prompts_per_step: 8, max_tokens: 64, temperature: 1.0, beta: 0.0, mu: 1}}
+rewards:
+  functions: [{{fn: math, kwargs: {{fallback_last_number: true}}}}]
+  dry_run: false
+eval: {{every: 100000, num_problems: 8}}
+checkpoint: {{every: 0}}
+tracking: {{console: false, wandb: {{enabled: false}}}}
+"""
+
+TRL = r'''
+import json, sys, time, torch
+torch.set_num_threads(2)
+sys.path.insert(0, ".")
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+from posttrain.data import generated
+from rewards.builtins import math_reward
+model_dir, steps = sys.argv[1], int(sys.argv[2])
+tok = AutoTokenizer.from_pretrained(model_dir)
+model = AutoModelForCausalLM.from_pretrained(model_dir).float()
+rows = generated.prompt_completion_rows("train", 2000, 99, 0)
+ds = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows])
+def reward(prompts, completions, answer, **kw):
+    return math_reward(prompts, completions, answer=answer, fallback_last_number=True)
+class T(TrainerCallback):
+    def __init__(self): self.t = []
+    def on_step_end(self, *a, **k): self.t.append(time.perf_counter())
+t = T()
+cfg = GRPOConfig(output_dir="/tmp/trl_grpo_bench", per_device_train_batch_size=64, num_generations=8,
+                 max_completion_length=64, max_steps=steps, learning_rate=1e-5, beta=0.0,
+                 logging_steps=1000, report_to=[], save_strategy="no", use_cpu=True,
+                 temperature=1.0, num_iterations=1, dataloader_num_workers=0)
+tr = GRPOTrainer(model=model, args=cfg, train_dataset=ds, reward_funcs=[reward], processing_class=tok,
+                 callbacks=[t])
+t0 = time.perf_counter(); tr.train()
+steps_t = [b - a for a, b in zip([t0] + t.t[:-1], t.t)]
+print("@@" + json.dumps({"step_s": steps_t}))
+'''
+
+
+def ours(model_dir: Path, steps: int, work: Path) -> dict:
+    run_dir = work / f"ours_{os.getpid()}_{len(list(work.iterdir()))}"
+    recipe = work / "bench_grpo.yaml"
+    recipe.write_text(RECIPE.format(run_dir=run_dir, model=model_dir, steps=steps))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    subprocess.run([sys.executable, "-m", "posttrain.cli", "run", str(recipe)], cwd=ROOT, env=env,
+                   check=True, capture_output=True)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r.get("time/step") is not None][WARMUP:]
+    phases = ["time/rollout", "time/reward", "time/logprob", "time/update", "time/sync"]
+    return {"step_s": statistics.median(r["time/step"] for r in rows),
+            **{p: statistics.median(r[p] for r in rows) for p in phases}}
+
+
+def trl(model_dir: Path, steps: int) -> dict:
+    r = subprocess.run([sys.executable, "-c", TRL, str(model_dir), str(steps)], cwd=ROOT,
+                       capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(r.stderr[-3000:])
+    s = json.loads(r.stdout.split("@@")[-1])["step_s"][WARMUP:]
+    return {"step_s": statistics.median(s)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.common import matmul_peak_gflops
+    from tests.helpers import save_tiny_model_with_tokenizer
+
+    work = Path(tempfile.mkdtemp(prefix="grpo_bench_"))
+    model_dir = work / "model"
+    save_tiny_model_with_tokenizer(model_dir, "qwen3", hidden=256, inter=768, layers=4, heads=4,
+                                   kv=2, head_dim=64)
+    peak = matmul_peak_gflops()
+    res = {"ours": [], "trl": []}
+    for _ in range(args.rounds):
+        res["ours"].append(ours(model_dir, args.steps, work))
+        res["trl"].append(trl(model_dir, args.steps))
+    o = min(res["ours"], key=lambda r: r["step_s"])
+    t = min(res["trl"], key=lambda r: r["step_s"])
+    # FLOPs of one step: 64 sequences x (<= ~20 prompt + 64 new) tokens; rollout forward
+    # (2 N per token), logprob forward (2 N) and update (6 N), N = matmul params.
+    n_params = 3.28e6
+    tokens = 64 * (20 + 64)
+    flops = tokens * n_params * (2 + 2 + 6)
+    print(f"matmul peak measured now: {peak:.0f} GFLOP/s (f32)")
+    print(f"{'':<22}{'s / step':>10}{'steps/s vs TRL':>16}")
+    print(f"{'TRL GRPOTrainer':<22}{t['step_s']:>10.3f}{1.0:>15.2f}x")
+    print(f"{'posttrain (jax, coloc)':<22}{o['step_s']:>10.3f}{t['step_s'] / o['step_s']:>15.2f}x")
+    print("our phases (median s): " + ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in o.items()
+                                                  if k.startswith("time/")))
+    print(f"step FLOPs ~{flops / 1e9:.1f} GFLOP -> {flops / o['step_s'] / 1e9:.0f} GFLOP/s "
+          f"= {flops / o['step_s'] / 1e9 / peak:.1%} of the measured peak")
+    print(f"vs the Tunix figure (1.19 s/step, ENVIRONMENT.md, idle machine): {1.19 / o['step_s']:.2f}x")
+    print("all rounds: " + json.dumps({k: [round(r['step_s'], 3) for r in v] for k, v in res.items()}))
+
+
+if __name__ == "__main__":
+    main()
