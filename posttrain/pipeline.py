@@ -169,7 +169,7 @@ def build_engines(cfg: RunConfig, model, tokenizer, run_dir: Path):
     if r.placement == "colocated" and r.engine == "jax":
         from rollout.jax_engine import JaxEngine
 
-        return JaxEngine(model, tokenizer, seed=cfg.seed)
+        return JaxEngine(model, tokenizer, seed=cfg.seed, copy_weights=True)
     from converters.export import save_hf
     from rollout.weight_sync import plain_state
 

@@ -67,8 +67,10 @@ def _generate(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p
 
 class JaxEngine:
     def __init__(self, model: CausalLM, tokenizer=None, *, eos_token_ids: Sequence[int] = (),
-                 version: int = 0, seed: int = 0):
+                 version: int = 0, seed: int = 0, copy_weights: bool = False):
         self.graphdef, self.state = nnx.split(model)
+        if copy_weights:  # colocated with a trainer that donates its buffers
+            self.state = jax.tree.map(jnp.copy, self.state)
         self.cfg = model.cfg
         self.tokenizer = tokenizer
         eos = set(eos_token_ids)
@@ -85,7 +87,8 @@ class JaxEngine:
         mapping of HF tensor names to arrays (from `rollout.weight_sync.export_hf`)."""
         t0 = time.perf_counter()
         if isinstance(weights, nnx.State):
-            nnx.update(model := nnx.merge(self.graphdef, self.state), weights)
+            # Own copy: the trainer donates its state buffers to the next step.
+            nnx.update(model := nnx.merge(self.graphdef, self.state), jax.tree.map(jnp.copy, weights))
             nbytes = sum(x.nbytes for x in jax.tree.leaves(weights))
         else:
             from converters.hf import hf_to_nnx
