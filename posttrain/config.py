@@ -252,6 +252,8 @@ class RolloutSection(Strict):
     gpu_memory_utilization: float = Field(0.15, gt=0, le=1)
     tensor_parallel_size: int = Field(1, gt=0)
     dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    enforce_eager: bool = Field(False, description="vLLM: skip graph capture / compilation "
+                                "(faster start, ~10x slower decode on CPU)")
 
 
 class EvalSection(Strict):

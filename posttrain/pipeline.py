@@ -180,7 +180,8 @@ def build_engines(cfg: RunConfig, model, tokenizer, run_dir: Path):
         from rollout.vllm_engine import VllmEngine
 
         return VllmEngine(str(hf_dir), dtype=r.dtype, gpu_memory_utilization=r.gpu_memory_utilization,
-                          tensor_parallel_size=r.tensor_parallel_size, seed=cfg.seed)
+                          tensor_parallel_size=r.tensor_parallel_size, seed=cfg.seed,
+                          enforce_eager=r.enforce_eager)
     import ray
 
     from rollout.worker import WorkerGroup
@@ -191,7 +192,8 @@ def build_engines(cfg: RunConfig, model, tokenizer, run_dir: Path):
                  if jax.default_backend() == "cpu" else None)
     spec = {"kind": r.engine, "model_dir": str(hf_dir), "tokenizer_dir": str(hf_dir), "seed": cfg.seed,
             "vllm": {"dtype": r.dtype, "gpu_memory_utilization": r.gpu_memory_utilization,
-                     "tensor_parallel_size": r.tensor_parallel_size, "seed": cfg.seed}}
+                     "tensor_parallel_size": r.tensor_parallel_size, "seed": cfg.seed,
+                     "enforce_eager": r.enforce_eager}}
     return WorkerGroup(spec, r.num_workers)
 
 

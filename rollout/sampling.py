@@ -31,8 +31,12 @@ def process_logits(logits_bv: jax.Array, temperature, top_k, top_p) -> jax.Array
 
 
 def sample(key, logits_bv: jax.Array, temperature, top_k, top_p) -> tuple[jax.Array, jax.Array]:
-    """(tokens [B], logprobs [B]) — greedy when temperature == 0 (logprob of the raw softmax)."""
-    processed = process_logits(logits_bv, temperature, top_k, top_p)
+    """(tokens [B], logprobs [B]) — greedy when temperature == 0 (logprob of the raw softmax).
+    The sort behind top-k / top-p only runs when one of them is active."""
+    filtering = (top_k > 0) | (top_p < 1.0)
+    processed = jax.lax.cond(
+        filtering, lambda x: process_logits(x, temperature, top_k, top_p),
+        lambda x: x.astype(jnp.float32) / jnp.maximum(temperature, 1e-6), logits_bv)
     sampled = jax.random.categorical(key, processed, axis=-1)
     greedy = jnp.argmax(logits_bv, axis=-1)
     is_greedy = temperature <= 0

@@ -24,7 +24,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the model r
 class VllmEngine:
     def __init__(self, model_dir: str, *, dtype: str = "float32", gpu_memory_utilization: float = 0.15,
                  tensor_parallel_size: int = 1, max_model_len: int | None = None, seed: int = 0,
-                 version: int = 0, enforce_eager: bool = True):
+                 version: int = 0, enforce_eager: bool = False):
         from vllm import LLM
 
         self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed,

@@ -39,7 +39,8 @@ def test_grpo_tiny_learns(base, tmp_path, engine, placement):
     d = with_base(base, tmp_path / "run")
     run(RECIPE, d, GRPO + [f"stages.1.rollout.engine={engine}",
                            f"stages.1.rollout.placement={placement}",
-                           "stages.1.rollout.num_workers=2"])
+                           "stages.1.rollout.num_workers=2",
+                           "stages.1.rollout.enforce_eager=true"])  # quick vLLM start in tests
     m = [x for x in metrics(d / "grpo") if x.get("reward_mean") is not None]
     assert len(m) == 16
     first = np.mean([x["reward_mean"] for x in m[:4]])

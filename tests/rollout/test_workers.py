@@ -31,7 +31,7 @@ def spec(kind, d):
     if kind == "jax":
         return {"kind": "jax", "model_dir": str(d), "tokenizer_dir": str(d)}
     return {"kind": "vllm", "model_dir": str(d),
-            "vllm": {"max_model_len": 512, "gpu_memory_utilization": 0.15}}
+            "vllm": {"max_model_len": 512, "gpu_memory_utilization": 0.15, "enforce_eager": True}}
 
 
 @pytest.mark.slow

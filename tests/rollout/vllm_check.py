@@ -13,7 +13,7 @@ from rollout.engine import SamplingParams  # noqa: E402
 from rollout.vllm_engine import VllmEngine  # noqa: E402
 
 model_dir, new_weights, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-eng = VllmEngine(model_dir, max_model_len=256)
+eng = VllmEngine(model_dir, max_model_len=256, enforce_eager=True)  # quick start for tests
 out = {"greedy": [r.token_ids for r in eng.generate(prompts, SamplingParams(temperature=0, max_tokens=24))]}
 sampled = eng.generate(prompts, SamplingParams(temperature=1.0, max_tokens=24, n=2, seed=7))
 out["sampled"] = [(r.prompt_index, r.token_ids, r.logprobs) for r in sampled]
