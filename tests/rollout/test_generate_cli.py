@@ -21,3 +21,14 @@ def test_generate_jax_json_lines(tmp_path):
     r = subprocess.run([sys.executable, "-m", "posttrain.cli", "generate", "--model",
                         str(tmp_path / "nope"), "--prompt", "x"], capture_output=True, text=True)
     assert r.returncode == 2 and "no such model directory" in r.stderr
+
+
+def test_eval_prints_pass_and_maj(tmp_path):
+    save_tiny_model_with_tokenizer(tmp_path, "qwen3")
+    r = subprocess.run([sys.executable, "-m", "posttrain.cli", "eval", str(tmp_path), "--dataset",
+                        "generated", "--n", "4", "--limit", "6", "--max-tokens", "6"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["problems"] == 6 and res["n"] == 4
+    assert 0 <= res["pass@1"] <= res["pass@4"] <= 1 and 0 <= res["maj@4"] <= 1
