@@ -21,7 +21,6 @@ through Ray's object store.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from posttrain.data import generated
 from posttrain.data.dataset import load_rows
 from posttrain.errors import UserError
 from posttrain.sharding import make_mesh, shard_batch, use_mesh
-from posttrain.train.checkpoint import Checkpointer
+from posttrain.train.checkpoint import Checkpointer, restore_train_state, save_train_state
 from posttrain.train.loop import create_model, prepare_tokenizer, resolve_model_config
 from posttrain.train.optimizer import lr_schedule, make_optimizer
 from posttrain.train.step import TrainState, make_train_step, token_logprobs
@@ -50,6 +49,13 @@ class PromptIterator:
         self.rows, self.seed, self.epoch, self.index = rows, seed, 0, 0
         if len(rows) == 0:
             raise UserError("data.source: no prompts")
+        self._order_epoch, self._order = -1, None
+
+    def _order_for(self, epoch: int) -> np.ndarray:
+        if epoch != self._order_epoch:  # one permutation per epoch, not per step
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+            self._order_epoch = epoch
+        return self._order
 
     def state(self) -> dict:
         return {"epoch": self.epoch, "index": self.index}
@@ -60,7 +66,7 @@ class PromptIterator:
     def take(self, k: int) -> list[dict]:
         out = []
         while len(out) < k:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.rows))
+            order = self._order_for(self.epoch)
             while self.index < len(order) and len(out) < k:
                 out.append(dict(self.rows[int(order[self.index])]))
                 self.index += 1
@@ -171,11 +177,9 @@ def build_engines(cfg: RunConfig, model, tokenizer, run_dir: Path):
 
         return JaxEngine(model, tokenizer, seed=cfg.seed, copy_weights=True)
     from converters.export import save_hf
-    from rollout.weight_sync import plain_state
 
     save_hf(model, hf_dir)
     tokenizer.save_pretrained(hf_dir)
-    del plain_state
     if r.placement == "colocated":
         from rollout.vllm_engine import VllmEngine
 
@@ -195,12 +199,6 @@ def build_engines(cfg: RunConfig, model, tokenizer, run_dir: Path):
                      "tensor_parallel_size": r.tensor_parallel_size, "seed": cfg.seed,
                      "enforce_eager": r.enforce_eager}}
     return WorkerGroup(spec, r.num_workers)
-
-
-def push_weights(engine, model_state, cfg_model, version: int) -> dict:
-    from rollout.weight_sync import push
-
-    return push([engine], model_state, cfg_model, version)
 
 
 # ---- sampling a batch --------------------------------------------------------------------------
@@ -246,18 +244,28 @@ def sample_groups(cfg: RunConfig, engine, pool, prompts: PromptIterator, tokeniz
 
 
 # ---- evaluation ----------------------------------------------------------------------------------
-def evaluate(cfg: RunConfig, engine, tokenizer, pool, rows: list[dict]) -> dict:
+def greedy_accuracy(cfg: RunConfig, engine, pool, rows: list[dict], prompt_ids: list[list[int]],
+                    *, stop: tuple[str, ...] = (), prefix: str = "") -> tuple[dict, list[str]]:
+    """Greedy completions of held-out rows, scored by the reward pool; 'correct' means the reward
+    named by `eval.reward` (default: the first) reaches 1. `prefix` is prepended to each
+    completion before scoring (a plain-text probe whose prompt ends mid-sentence)."""
     from rollout.engine import SamplingParams
 
-    ids = [encode_prompt(r, tokenizer, cfg.grpo.chat_template, i) for i, r in enumerate(rows)]
-    outs = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=cfg.eval.max_tokens
-                                               or cfg.grpo.max_tokens, stop=tuple(cfg.grpo.stop)))
-    scores = pool.score([r["prompt"] for r in rows], [o.text for o in outs],
-                        reward_columns(rows, 1, outs), 1)
+    outs = engine.generate(prompt_ids, SamplingParams(
+        temperature=0.0, max_tokens=cfg.eval.max_tokens or cfg.grpo.max_tokens, stop=stop))
+    texts = [prefix + o.text for o in outs]
+    scores = pool.score([r["prompt"] for r in rows], texts, reward_columns(rows, 1, outs), 1)
     label = cfg.eval.reward or cfg.rewards.functions[0].label
     correct = np.nan_to_num(scores.per_function[label]) >= 1.0
-    return {"eval/accuracy": float(correct.mean()), "eval/reward_mean": float(np.nanmean(scores.totals)),
-            "eval/completion_len": float(np.mean([len(o.token_ids) for o in outs]))}
+    metrics = {"eval/accuracy": float(correct.mean()),
+               "eval/reward_mean": float(np.nanmean(scores.totals)),
+               "eval/completion_len": float(np.mean([len(o.token_ids) for o in outs]))}
+    return metrics, texts
+
+
+def evaluate(cfg: RunConfig, engine, tokenizer, pool, rows: list[dict]) -> dict:
+    ids = [encode_prompt(r, tokenizer, cfg.grpo.chat_template, i) for i, r in enumerate(rows)]
+    return greedy_accuracy(cfg, engine, pool, rows, ids, stop=tuple(cfg.grpo.stop))[0]
 
 
 # ---- the loop ------------------------------------------------------------------------------------
@@ -265,6 +273,7 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
     from posttrain.tracking import Tracker
     from rewards.pool import RewardPool
     from rollout.engine import SamplingParams
+    from rollout.weight_sync import push
 
     g, t = cfg.grpo, cfg.train
     tokenizer = prepare_tokenizer(cfg, run_dir)
@@ -287,9 +296,8 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
 
         prompts = PromptIterator(prompt_rows(cfg, "train"), cfg.data.shuffle_seed)
         eval_rows = prompt_rows(cfg, "eval", cfg.eval.num_problems)
-        train_pool_rows = prompts.rows[:1]
         if cfg.rewards.dry_run:
-            r0 = train_pool_rows[0]
+            r0 = prompts.rows[0]
             pool.dry_run(r0.get("prompt"), {k: v for k, v in r0.items() if k != "prompt"} |
                          {"completion_ids": [0]})
 
@@ -297,17 +305,13 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
         start = 0
         latest = ckpt.latest_step() if cfg.checkpoint.resume else None
         if latest is not None:
-            full = nnx.state(nnx.merge(graphdef, state.params, state.frozen))
-            full, train, meta = ckpt.restore(latest, full, {"opt_state": state.opt_state,
-                                                            "step": state.step, "rng": state.rng})
-            _, p2, f2 = nnx.split(nnx.merge(graphdef, full), trainable, ...)
-            state = TrainState(p2, f2, train["opt_state"], train["step"], train["rng"])
+            state, meta = restore_train_state(ckpt, latest, graphdef, state, trainable)
             prompts.restore(meta["data_state"])
             start = latest
         model = nnx.merge(graphdef, state.params, state.frozen)
         engine = build_engines(cfg, model, tokenizer, run_dir)
         if start:
-            push_weights(engine, nnx.state(model), model_cfg, start)
+            push([engine], nnx.state(model), model_cfg, start)
 
         tracker = Tracker(cfg, run_dir, t.steps, start)
         last: dict = {}
@@ -348,7 +352,7 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
 
                 tr = time.perf_counter()
                 model = nnx.merge(graphdef, state.params, state.frozen)
-                sync = push_weights(engine, nnx.state(model), model_cfg, step + 1)
+                sync = push([engine], nnx.state(model), model_cfg, step + 1)
                 times["time/sync"] = time.perf_counter() - tr
 
                 lens = np.array([len(r.token_ids) for r in rollouts])
@@ -367,14 +371,9 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                 tracker.log(step + 1, m)
                 last = m
                 if (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or step + 1 == t.steps:
-                    full = nnx.state(model)
-                    ckpt.save(step + 1, full, {"opt_state": state.opt_state, "step": state.step,
-                                               "rng": state.rng},
-                              {"model_config": model_cfg.model_dump(mode="json"),
-                               "data_state": prompts.state(), "step": step + 1,
-                               "policy_version": step + 1,
-                               "lora": cfg.model.lora.model_dump() if cfg.model.lora.rank else {}},
-                              force=True)
+                    save_train_state(ckpt, step + 1, graphdef, state, model_cfg, prompts.state(),
+                                     cfg.model.lora.model_dump() if cfg.model.lora.rank else {},
+                                     policy_version=step + 1)
             ckpt.wait()
         finally:
             tracker.close()

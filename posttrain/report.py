@@ -12,35 +12,30 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
 from posttrain.config import RunConfig
 
 
 def stage_accuracy(cfg: RunConfig, root: Path) -> dict:
     from posttrain.data.tokenizer import load_tokenizer
     from posttrain.models import from_pretrained
-    from posttrain.pipeline import encode_prompt, prompt_rows, reward_columns
+    from posttrain.pipeline import encode_prompt, greedy_accuracy, prompt_rows
     from rewards.pool import RewardPool
-    from rollout.engine import SamplingParams
     from rollout.jax_engine import JaxEngine
 
     run_dir = Path(cfg.run_dir)
     tok = load_tokenizer(run_dir / "tokenizer")
     engine = JaxEngine(from_pretrained(run_dir), tok)
     rows = prompt_rows(cfg, "eval", cfg.eval.num_problems)
-    chat = cfg.algorithm != "pretrain"
-    if chat:
-        ids = [encode_prompt(r, tok, True, i) for i, r in enumerate(rows)]
-    else:
+    if cfg.algorithm != "pretrain":
+        ids, probe = [encode_prompt(r, tok, True, i) for i, r in enumerate(rows)], {}
+    else:  # a pretrained model continues plain text: stop where the next document would start
         ids = [tok(r["prompt"] + " The answer is", add_special_tokens=False)["input_ids"] for r in rows]
-    outs = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=cfg.eval.max_tokens or 12))
-    texts = [o.text if chat else "The answer is" + o.text.split("\n")[0].split("What")[0] for o in outs]
-    label = cfg.eval.reward or cfg.rewards.functions[0].label
+        probe = {"stop": ("\n", "What"), "prefix": "The answer is"}
     with RewardPool(cfg.rewards.model_copy(update={"dry_run": False})) as pool:
-        scores = pool.score([r["prompt"] for r in rows], texts, reward_columns(rows, 1, outs), 1)
-    acc = float((np.nan_to_num(scores.per_function[label]) >= 1.0).mean())
-    result = {"stage": cfg.name, "algorithm": cfg.algorithm, "accuracy": acc, "problems": len(rows),
+        metrics, texts = greedy_accuracy(cfg.model_copy(update={"eval": cfg.eval.model_copy(
+            update={"max_tokens": cfg.eval.max_tokens or 12})}), engine, pool, rows, ids, **probe)
+    result = {"stage": cfg.name, "algorithm": cfg.algorithm, "accuracy": metrics["eval/accuracy"],
+              "problems": len(rows),
               "examples": [{"prompt": r["prompt"], "completion": t} for r, t in zip(rows[:3], texts)]}
     with (root / "stage_accuracy.jsonl").open("a") as f:
         f.write(json.dumps(result) + "\n")

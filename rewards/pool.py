@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from posttrain.config import RewardFunctionSpec, RewardsSection
+from posttrain.config import RewardsSection
 from posttrain.errors import UserError
 
 

@@ -21,11 +21,6 @@ from converters.hf import nnx_to_hf
 from posttrain.models.config import ModelConfig
 
 
-def plain_state(model: nnx.Module) -> nnx.State:
-    """Model parameters as engines need them: LoRA merged and int8 dequantized, same layout."""
-    return nnx.state(model, nnx.Param)
-
-
 def _flat(state: nnx.State) -> dict[tuple, jax.Array]:
     return {tuple(p): v[...] for p, v in nnx.to_flat_state(state)}
 

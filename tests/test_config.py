@@ -33,52 +33,34 @@ def write(tmp_path, text, name="r.yaml"):
     return p
 
 
-def test_unknown_key_suggests_closest(tmp_path):
-    p = write(tmp_path, "optimizer:\n  lerning_rate: 1e-3\n")
-    r = cli("run", str(p))
-    assert r.returncode == 2
-    assert "optimizer.lerning_rate: unknown key; did you mean optimizer.learning_rate?" in r.stderr
-    assert "Traceback" not in r.stderr
+# (recipe text or None for a missing file, extra CLI args, fragments the one-line error must hold)
+USER_ERRORS = {
+    "unknown_key_suggests_closest": ("optimizer:\n  lerning_rate: 1e-3\n", [],
+        ["optimizer.lerning_rate: unknown key; did you mean optimizer.learning_rate?"]),
+    "unknown_top_level_key": ("algoritm: sft\n", [],
+        ["algoritm: unknown key; did you mean algorithm?"]),
+    "wrong_type": ("train:\n  steps: many\n", [], ["train.steps:", "integer"]),
+    "bad_literal": ("algorithm: ppo\n", [], ["algorithm:", "'pretrain'"]),
+    "missing_recipe_file": (None, [], ["nope.yaml: recipe file not found"]),
+    "missing_data_file": ("data:\n  source: missing/train.jsonl\n", [],
+        ["data.source: missing/train.jsonl: no such file"]),
+    "malformed_yaml": ("train:\n  steps: [1, 2\n", [], ["malformed YAML", "line"]),
+    "override_typo": ("train:\n  steps: 3\n", ["train.stpes=5"],
+        ["train.stpes: unknown key; did you mean train.steps?"]),
+    "override_bad_value": ("train:\n  steps: 3\n", ["train.steps=-1"],
+        ["train.steps: Input should be greater than 0"]),
+}
 
 
-def test_unknown_top_level_key(tmp_path):
-    r = cli("run", str(write(tmp_path, "algoritm: sft\n")))
-    assert r.returncode == 2 and "algoritm: unknown key; did you mean algorithm?" in r.stderr
-
-
-def test_wrong_type_names_key(tmp_path):
-    r = cli("run", str(write(tmp_path, "train:\n  steps: many\n")))
-    assert r.returncode == 2 and "train.steps:" in r.stderr and "integer" in r.stderr
-    assert "Traceback" not in r.stderr
-
-
-def test_bad_literal_names_key(tmp_path):
-    r = cli("run", str(write(tmp_path, "algorithm: ppo\n")))
-    assert r.returncode == 2 and "algorithm:" in r.stderr and "'pretrain'" in r.stderr
-
-
-def test_missing_recipe_file(tmp_path):
-    r = cli("run", str(tmp_path / "nope.yaml"))
-    assert r.returncode == 2 and "nope.yaml: recipe file not found" in r.stderr
-
-
-def test_missing_data_file(tmp_path):
-    r = cli("run", str(write(tmp_path, "data:\n  source: missing/train.jsonl\n")))
-    assert r.returncode == 2 and "data.source: missing/train.jsonl: no such file" in r.stderr
-
-
-def test_malformed_yaml(tmp_path):
-    r = cli("run", str(write(tmp_path, "train:\n  steps: [1, 2\n")))
-    assert r.returncode == 2 and "malformed YAML" in r.stderr and "line" in r.stderr
-    assert "Traceback" not in r.stderr
-
-
-def test_override_typo_and_type(tmp_path):
-    p = write(tmp_path, "train:\n  steps: 3\n")
-    r = cli("run", str(p), "train.stpes=5")
-    assert r.returncode == 2 and "train.stpes: unknown key; did you mean train.steps?" in r.stderr
-    r = cli("run", str(p), "train.steps=-1")
-    assert r.returncode == 2 and "train.steps: Input should be greater than 0" in r.stderr
+@pytest.mark.parametrize("case", sorted(USER_ERRORS))
+def test_user_error_exits_2_with_one_line_naming_the_key(tmp_path, case):
+    text, args, fragments = USER_ERRORS[case]
+    recipe = tmp_path / "nope.yaml" if text is None else write(tmp_path, text)
+    r = cli("run", str(recipe), *args)
+    assert r.returncode == 2, r.stderr
+    for fragment in fragments:
+        assert fragment in r.stderr, (fragment, r.stderr)
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_override_values_parse_as_yaml_scalars(tmp_path):

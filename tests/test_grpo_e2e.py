@@ -5,7 +5,6 @@ The base is the grpo_tiny SFT stage on single-digit problems (learnable in a min
 each run directory so that only the GRPO stage runs per test.
 """
 
-import json
 import shutil
 
 import numpy as np

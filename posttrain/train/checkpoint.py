@@ -77,6 +77,27 @@ class Checkpointer:
         self.manager.close()
 
 
+def save_train_state(ckpt: Checkpointer, step: int, graphdef, state, model_cfg, data_state: dict,
+                     lora: dict, **extra_meta) -> None:
+    """Save a TrainState: the full model (trainable + frozen) as `params`, the rest as `train`."""
+    full = nnx.state(nnx.merge(graphdef, state.params, state.frozen))
+    meta = {"model_config": model_cfg.model_dump(mode="json"), "data_state": data_state,
+            "step": step, "lora": lora, **extra_meta}
+    train = {"opt_state": state.opt_state, "step": state.step, "rng": state.rng}
+    ckpt.save(step, full, train, meta, force=True)
+
+
+def restore_train_state(ckpt: Checkpointer, step: int, graphdef, state, trainable):
+    """The inverse of `save_train_state`, restored into `state`'s structure and shardings."""
+    from posttrain.train.step import TrainState
+
+    full = nnx.state(nnx.merge(graphdef, state.params, state.frozen))
+    train = {"opt_state": state.opt_state, "step": state.step, "rng": state.rng}
+    full, train, meta = ckpt.restore(step, full, train)
+    _, params, frozen = nnx.split(nnx.merge(graphdef, full), trainable, ...)
+    return TrainState(params, frozen, train["opt_state"], train["step"], train["rng"]), meta
+
+
 def find_checkpoint(path: str | Path) -> tuple[Path, int]:
     """Accept a run dir, its checkpoints dir, or one step dir; return (checkpoints dir, step)."""
     path = Path(path).absolute()

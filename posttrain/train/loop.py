@@ -9,7 +9,6 @@ checkpoint) -> final checkpoint + HF export. Algorithms differ only in the data 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -26,7 +25,8 @@ from posttrain.errors import UserError
 from posttrain.models.config import ModelConfig
 from posttrain.models.transformer import CausalLM
 from posttrain.sharding import batch_sharding, make_mesh, state_shardings, use_mesh
-from posttrain.train.checkpoint import Checkpointer, find_checkpoint, read_meta
+from posttrain.train.checkpoint import (Checkpointer, find_checkpoint, read_meta,
+                                        restore_train_state, save_train_state)
 from posttrain.train.optimizer import lr_schedule, make_optimizer
 from posttrain.train.step import TrainState, make_eval_step, make_train_step, next_token_loss
 
@@ -167,11 +167,7 @@ def train_language_model(cfg: RunConfig, run_dir: Path, loss_fn=next_token_loss)
         start = 0
         latest = ckpt.latest_step() if cfg.checkpoint.resume else None
         if latest is not None:
-            full = nnx.state(nnx.merge(graphdef, state.params, state.frozen))
-            full, train, meta = ckpt.restore(latest, full, _train_item(state))
-            model = nnx.merge(graphdef, full)
-            _, params, frozen = nnx.split(model, trainable, ...)
-            state = TrainState(params, frozen, train["opt_state"], train["step"], train["rng"])
+            state, meta = restore_train_state(ckpt, latest, graphdef, state, trainable)
             data.restore(meta["data_state"])
             start = latest
 
@@ -211,12 +207,12 @@ def train_language_model(cfg: RunConfig, run_dir: Path, loss_fn=next_token_loss)
                 pending = (step + 1, m, float((batch["segment_ids"] > 0).sum()), extra)
                 if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 \
                         and step + 1 != t.steps:
-                    _save(ckpt, step + 1, graphdef, state, model_cfg, data_state, lora_meta)
+                    save_train_state(ckpt, step + 1, graphdef, state, model_cfg, data_state, lora_meta)
             if pending is not None:
                 flush(pending)
             if ckpt.latest_step() != t.steps:
-                _save(ckpt, t.steps, graphdef, state, model_cfg,
-                      data_state if t.steps > start else data.state(), lora_meta)
+                save_train_state(ckpt, t.steps, graphdef, state, model_cfg,
+                                 data_state if t.steps > start else data.state(), lora_meta)
             ckpt.wait()
         finally:
             tracker.close()
@@ -228,18 +224,6 @@ def train_language_model(cfg: RunConfig, run_dir: Path, loss_fn=next_token_loss)
             save_hf_export(load_model_from_checkpoint(run_dir / "checkpoints"), run_dir / "hf",
                            tokenizer)
     return {k: float(v) for k, v in last.items() if np.ndim(v) == 0}
-
-
-def _train_item(state: TrainState) -> dict:
-    return {"opt_state": state.opt_state, "step": state.step, "rng": state.rng}
-
-
-def _save(ckpt: Checkpointer, step: int, graphdef, state: TrainState, model_cfg: ModelConfig,
-          data_state: dict, lora: dict) -> None:
-    full = nnx.state(nnx.merge(graphdef, state.params, state.frozen))
-    meta = {"model_config": model_cfg.model_dump(mode="json"), "data_state": data_state,
-            "step": step, "lora": lora}
-    ckpt.save(step, full, _train_item(state), meta, force=True)
 
 
 def _eval_batches(cfg: RunConfig, tokenizer) -> list[dict]:
@@ -258,8 +242,3 @@ def _eval_loss(eval_fn, state: TrainState, batches: list[dict], bsh) -> float:
         s, n = eval_fn(state.params, state.frozen, jax.device_put(b, bsh))
         tot, cnt = tot + float(s), cnt + float(n)
     return tot / max(cnt, 1.0)
-
-
-def copy_tokenizer(src: Path, dst: Path) -> None:
-    if src.exists() and not dst.exists():
-        shutil.copytree(src, dst)

@@ -22,12 +22,13 @@ def lr_schedule(opt: OptimizerSection, total_steps: int) -> optax.Schedule:
 
 
 def _decay_mask(params):
-    # No weight decay on norms (vectors); decay matrices and embeddings, as is standard.
-    return jax.tree.map(lambda p: p.ndim >= 2 and not _is_stacked_vector(p), params)
+    """Decay matrices and embeddings, not norm scales. Decided by name, not rank: with scanned
+    layers a norm scale is stacked to [layers, dim] and would look like a matrix."""
 
+    def decays(path, p) -> bool:
+        return p.ndim >= 2 and "norm" not in jax.tree_util.keystr(path)
 
-def _is_stacked_vector(p) -> bool:
-    return False
+    return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def make_optimizer(opt: OptimizerSection, total_steps: int) -> optax.GradientTransformation:

@@ -8,12 +8,11 @@ loss.
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import qwix
 from flax import nnx
 
-from posttrain.models import ModelConfig, build_model
+from posttrain.models import build_model
 from posttrain.train.step import TrainState, make_train_step, next_token_loss
 from tests.models.test_sharding_remat import CFG, batch
 

@@ -7,7 +7,6 @@ shows up at 1e-2 or more.
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
