@@ -8,46 +8,46 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from converters.hf import nnx_to_hf
-
-SHARD_BYTES = 2 * 1024**3
+from converters.hf import hf_shape, hf_tensor_names, nnx_to_hf, our_path
+from converters.safetensors_io import SHARD_BYTES, write_sharded
 
 
 def param_flat(model: nnx.Module) -> dict[tuple, np.ndarray]:
     return {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
-def save_hf(model: nnx.Module, out: Path, dtype: str | None = None) -> None:
-    from safetensors.numpy import save_file
+def hf_specs(cfg, dtype_of) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+    """(name, shape, dtype) of every HF tensor, known before any value is computed."""
+    return [(n, hf_shape(cfg, n), np.dtype(dtype_of(n))) for n in hf_tensor_names(cfg)]
 
+
+def write_hf_config(out: Path, cfg, dtype: str | None, extra: dict | None = None) -> None:
+    hf_cfg = {**(extra or {}), **cfg.to_hf_config()}
+    if dtype is not None:
+        hf_cfg["torch_dtype"] = str(np.dtype(dtype))
+    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+
+
+def save_hf(model: nnx.Module, out: Path, dtype: str | None = None,
+            max_shard_bytes: int = SHARD_BYTES) -> None:
+    """Stream `model` to `out` one tensor at a time (device -> host copies deferred to the write)."""
     cfg = model.cfg
     out.mkdir(parents=True, exist_ok=True)
-    flat = {p: v for p, v in param_flat(model).items()}
+    flat = param_flat(model)
     lazy = {p: _LazyArray(v) for p, v in flat.items()}
-    shards, current, size = [], {}, 0
-    for name, arr in nnx_to_hf(cfg, lazy):
-        arr = np.asarray(arr)
-        if dtype is not None:
-            arr = arr.astype(dtype)
-        if current and size + arr.nbytes > SHARD_BYTES:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = np.ascontiguousarray(arr)
-        size += arr.nbytes
-    shards.append(current)
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = "model.safetensors" if len(shards) == 1 else \
-            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in shard})
-    if len(shards) > 1:
-        (out / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {}, "weight_map": weight_map}, indent=2))
-    hf_cfg = cfg.to_hf_config()
-    if dtype is not None:
-        hf_cfg["torch_dtype"] = dtype
-    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    layout = {n: our_path(cfg, n)[0] for n in hf_tensor_names(cfg)}
+    cast = np.dtype(dtype) if dtype is not None else None
+
+    def dtype_of(name):
+        return cast if cast is not None else np.dtype(flat[layout[name]][...].dtype)
+
+    def tensors():
+        for name, arr in nnx_to_hf(cfg, lazy):
+            arr = np.asarray(arr)
+            yield name, arr if cast is None else arr.astype(cast)
+
+    write_sharded(out, hf_specs(cfg, dtype_of), tensors(), max_bytes=max_shard_bytes)
+    write_hf_config(out, cfg, dtype)
 
 
 class _LazyArray:

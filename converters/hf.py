@@ -81,21 +81,64 @@ def our_path(cfg: ModelConfig, hf_name: str) -> tuple[tuple, int | None, bool]:
     return ("model", "layers", layer) + suffix, None, transpose
 
 
-def hf_to_nnx(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> dict[tuple, np.ndarray]:
-    """Build our flat param dict from HF tensors fetched one at a time by `get(name)`."""
-    flat: dict[tuple, np.ndarray] = {}
-    stacked: dict[tuple, list] = {}
+def our_tensors(cfg: ModelConfig) -> dict[tuple, tuple[list[str], bool, bool]]:
+    """Our param path -> (the HF tensors it is built from, transpose?, stacked over layers?)."""
+    out: dict[tuple, tuple[list[str], bool, bool]] = {}
     for name in hf_tensor_names(cfg):
         path, layer, transpose = our_path(cfg, name)
+        out.setdefault(path, ([], transpose, layer is not None))[0].append(name)
+    return out
+
+
+def build_param(names: list[str], transpose: bool, stacked: bool,
+                get: Callable[[str], np.ndarray], dtype=None) -> np.ndarray:
+    """One of our parameters from its HF tensors; a stacked one is filled layer by layer, so the
+    peak is the result plus one layer."""
+    def one(name):
         arr = get(name)
         arr = arr.T if transpose else arr
-        if layer is None:
-            flat[path] = arr
-        else:
-            stacked.setdefault(path, [None] * cfg.num_hidden_layers)[layer] = arr
-    for path, arrs in stacked.items():
-        flat[path] = np.stack(arrs)
-    return flat
+        return arr if dtype is None else arr.astype(dtype, copy=False)
+
+    if not stacked:
+        return np.ascontiguousarray(one(names[0]))
+    first = one(names[0])
+    out = np.empty((len(names),) + first.shape, first.dtype)
+    out[0] = first
+    del first
+    for i, name in enumerate(names[1:], 1):
+        out[i] = one(name)
+    return out
+
+
+def hf_to_nnx(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> dict[tuple, np.ndarray]:
+    """Build our flat param dict from HF tensors fetched one at a time by `get(name)`."""
+    return {path: build_param(names, transpose, stacked, get)
+            for path, (names, transpose, stacked) in our_tensors(cfg).items()}
+
+
+IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some old exports carry
+
+
+def check_hf_tensors(cfg: ModelConfig, names: list[str], shape_of: Callable[[str], tuple],
+                     where: Callable[[str], str], src: str) -> None:
+    """Every tensor the config implies exists with the implied shape, and nothing else is there
+    (a tensor we would silently drop means the architecture is not the one we think)."""
+    from posttrain.errors import UserError
+
+    have = set(names)
+    for name in hf_tensor_names(cfg):
+        if name not in have:
+            raise UserError(f"{src}: tensor {name} is missing (config.json implies it)")
+        if tuple(shape_of(name)) != hf_shape(cfg, name):
+            raise UserError(f"{where(name)}: tensor {name} has shape {tuple(shape_of(name))} but "
+                            f"config.json implies {hf_shape(cfg, name)}")
+    expected = set(hf_tensor_names(cfg))
+    if cfg.tie_word_embeddings:
+        expected.add("lm_head.weight")  # some exports store the tied head anyway
+    extra = sorted(n for n in have - expected if not IGNORED.match(n))
+    if extra:
+        raise UserError(f"{where(extra[0])}: unexpected tensor {extra[0]} (not part of a {cfg.arch} "
+                        f"model with this config.json; {len(extra)} such tensor(s))")
 
 
 def nnx_to_hf(cfg: ModelConfig, flat: dict[tuple, np.ndarray],

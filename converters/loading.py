@@ -8,8 +8,10 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from pydantic import ValidationError
 
-from converters.hf import hf_to_nnx
+from converters.hf import check_hf_tensors, hf_to_nnx
+from converters.safetensors_io import SafetensorsReader
 from posttrain.errors import UserError
 from posttrain.models.config import ModelConfig
 from posttrain.models.transformer import CausalLM
@@ -45,47 +47,39 @@ def read_hf_config(path: Path) -> dict:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise UserError(f"{path}: no config.json (not an HF model directory)")
-    return json.loads(cfg_file.read_text())
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{cfg_file}: not valid JSON ({e})") from None
 
 
-class SafetensorsReader:
-    """Memory-mapped access to every tensor of a (possibly sharded) safetensors checkpoint."""
+def hf_model_config(path: Path, **overrides) -> ModelConfig:
+    """Our ModelConfig from an HF directory's config.json; an unknown architecture or a
+    missing field is a UserError naming the file."""
+    hf = read_hf_config(path)
+    try:
+        return ModelConfig.from_hf_config(hf, **overrides)
+    except KeyError as e:
+        raise UserError(f"{path / 'config.json'}: missing field {e}") from None
+    except ValidationError as e:
+        why = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}"
+                        for err in e.errors())
+        raise UserError(f"{path / 'config.json'}: {why}") from None
+    except ValueError as e:
+        raise UserError(f"{path / 'config.json'}: {e}") from None
 
-    def __init__(self, path: Path):
-        from safetensors import safe_open
 
-        index = path / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        else:
-            single = path / "model.safetensors"
-            if not single.is_file():
-                raise UserError(f"{path}: no model.safetensors or model.safetensors.index.json")
-            with safe_open(single, framework="numpy") as f:
-                weight_map = {k: "model.safetensors" for k in f.keys()}
-        self.path, self.weight_map, self._open = path, weight_map, {}
-        for shard in set(weight_map.values()):
-            if not (path / shard).is_file():
-                raise UserError(f"{path / shard}: shard listed in the index is missing")
-        self._safe_open = safe_open
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.weight_map
-
-    def get(self, name: str) -> np.ndarray:
-        shard = self.weight_map.get(name)
-        if shard is None:
-            raise UserError(f"{self.path}: tensor {name} is missing")
-        if shard not in self._open:
-            # numpy cannot hold bf16 from safetensors' numpy view; torch-free path via "flax".
-            self._open[shard] = self._safe_open(self.path / shard, framework="flax")
-        return np.asarray(self._open[shard].get_tensor(name))
+def open_hf_checkpoint(path: Path, cfg: ModelConfig) -> SafetensorsReader:
+    """The checkpoint's tensors, checked against the config before anything is read."""
+    reader = SafetensorsReader(path)
+    check_hf_tensors(cfg, reader.names(), reader.shape, lambda n: str(reader.file(n)), str(path))
+    return reader
 
 
 def load_hf(path: str | Path, **overrides) -> CausalLM:
     path = Path(path)
-    cfg = ModelConfig.from_hf_config(read_hf_config(path), **overrides)
-    reader = SafetensorsReader(path)
+    cfg = hf_model_config(path, **overrides)
+    reader = open_hf_checkpoint(path, cfg)
     model = abstract_model(cfg)
     return set_params(model, hf_to_nnx(cfg, reader.get))
 
@@ -105,6 +99,14 @@ def resolve_model_path(path: str | Path) -> Path:
             raise UserError(f"{path}: not a local directory, and fetching it from the hub failed: "
                             f"{type(e).__name__}: {e}") from None
     raise UserError(f"{path}: no such model directory")
+
+
+def tokenizer_next_to(p: Path) -> Path | None:
+    """The tokenizer of a model directory or checkpoint: in it, or in a run's `tokenizer/`."""
+    for cand in (p, p / "tokenizer", p.parent / "tokenizer", p.parent.parent / "tokenizer"):
+        if (cand / "tokenizer.json").is_file():
+            return cand
+    return None
 
 
 def load_model(path: str | Path, **overrides) -> CausalLM:

@@ -1,4 +1,4 @@
-"""`posttrain` command line: run, validate (later: convert, generate, plan, eval).
+"""`posttrain` command line: run, validate, convert, generate, eval.
 
 User mistakes (`UserError`) print one line `posttrain: error: ...` and exit 2; bugs keep their
 traceback.
@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="device count to check the mesh against (default: this machine's)")
     val.set_defaults(fn=_cmd_validate)
 
+    from converters.convert import add_parser as add_convert
+
+    add_convert(sub)
     from rollout.cli_generate import add_parser as add_generate
 
     add_generate(sub)

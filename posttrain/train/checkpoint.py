@@ -12,6 +12,7 @@ Saves are asynchronous (training continues while the previous step is written), 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -129,30 +130,48 @@ def restore_params_flat(ckpt_dir: Path, step: int) -> dict[str, np.ndarray]:
     return ckptr.restore(ckpt_dir / str(step) / "params")
 
 
-def canonical_params(flat: dict[str, np.ndarray], lora_scale: float | None) -> dict[tuple, np.ndarray]:
-    """Saved variables -> plain parameters keyed by path tuples: int8 (qwix QArray) kernels are
-    dequantized and LoRA adapters merged, W' = W + (alpha / rank) A B, so that any checkpoint of
-    ours loads as an ordinary model."""
-    out: dict[tuple, np.ndarray] = {}
-    for key, value in flat.items():
+def _path(stem: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in stem.split("/"))
+
+
+def param_stems(keys) -> list[str]:
+    """Saved variable keys -> the plain parameters they make (`.../q_proj/kernel`): int8 kernels
+    (`kernel/array/{qvalue,scale}`) and LoRA adapters (`kernel_lora_{a,b}`) fold into theirs."""
+    stems = []
+    for key in keys:
         parts = key.split("/")
         if parts[-1] != "value":
             continue
         parts = parts[:-1]
         if parts[-3:] == ["kernel", "array", "qvalue"]:
-            scale = flat["/".join(parts[:-1] + ["scale", "value"])]
-            value = np.asarray(value, np.float32) * np.asarray(scale, np.float32)
             parts = parts[:-2]
         elif parts[-3:-1] == ["kernel", "array"] or parts[-1].startswith("kernel_lora_"):
             continue
-        out[tuple(int(p) if p.isdigit() else p for p in parts)] = np.asarray(value)
-    for key in flat:
-        if key.endswith("kernel_lora_a/value"):
-            stem = key[: -len("kernel_lora_a/value")]
-            a, b = np.asarray(flat[key]), np.asarray(flat[stem + "kernel_lora_b/value"])
-            path = tuple(int(p) if p.isdigit() else p for p in (stem + "kernel").split("/"))
-            out[path] = (out[path].astype(np.float32) + lora_scale * (a @ b)).astype(out[path].dtype)
-    return out
+        stems.append("/".join(parts))
+    return stems
+
+
+def canonical_param(read: Callable[[str], np.ndarray], keys, stem: str,
+                    lora_scale: float | None) -> np.ndarray:
+    """One plain parameter: an int8 (qwix QArray) kernel dequantized, a LoRA adapter merged,
+    W' = W + (alpha / rank) A B. `read(key)` fetches one saved variable."""
+    if f"{stem}/value" in keys:
+        value = np.asarray(read(f"{stem}/value"))
+    else:
+        value = (np.asarray(read(f"{stem}/array/qvalue/value"), np.float32)
+                 * np.asarray(read(f"{stem}/array/scale/value"), np.float32))
+    lora = stem[: -len("kernel")] + "kernel_lora_"
+    if stem.endswith("kernel") and f"{lora}a/value" in keys:
+        a, b = np.asarray(read(f"{lora}a/value")), np.asarray(read(f"{lora}b/value"))
+        value = (value.astype(np.float32) + lora_scale * (a @ b)).astype(value.dtype)
+    return value
+
+
+def canonical_params(flat: dict[str, np.ndarray], lora_scale: float | None) -> dict[tuple, np.ndarray]:
+    """Saved variables -> plain parameters keyed by path tuples (see `canonical_param`), so
+    that any checkpoint of ours loads as an ordinary model."""
+    return {_path(stem): canonical_param(flat.__getitem__, flat, stem, lora_scale)
+            for stem in param_stems(flat)}
 
 
 def load_model_from_checkpoint(path: str | Path, **overrides) -> nnx.Module:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from converters.loading import hf_model_config, resolve_model_path, tokenizer_next_to
 from posttrain.config import RunConfig
 from posttrain.data import generated
 from posttrain.data.dataset import Encoder, PackedBatches, load_rows
@@ -25,17 +26,28 @@ from posttrain.errors import UserError
 from posttrain.models.config import ModelConfig
 from posttrain.models.transformer import CausalLM
 from posttrain.sharding import batch_sharding, make_mesh, state_shardings, use_mesh
-from posttrain.train.checkpoint import (Checkpointer, find_checkpoint, read_meta,
-                                        restore_train_state, save_train_state)
+from posttrain.train.checkpoint import (
+    Checkpointer,
+    find_checkpoint,
+    read_meta,
+    restore_train_state,
+    save_train_state,
+)
 from posttrain.train.optimizer import lr_schedule, make_optimizer
-from posttrain.train.step import TrainState, make_eval_step, make_train_step, next_token_loss
+from posttrain.train.step import (
+    TrainState,
+    make_eval_step,
+    make_train_step,
+    next_token_loss,
+)
 
 
 # ---- pieces ----------------------------------------------------------------------------------
 def prepare_tokenizer(cfg: RunConfig, run_dir: Path):
     """The recipe's tokenizer, or one trained on the data; always saved to RUN_DIR/tokenizer."""
     out = run_dir / "tokenizer"
-    src = cfg.tokenizer.path or _tokenizer_next_to(cfg.model.path)
+    src = cfg.tokenizer.path or (tokenizer_next_to(resolve_model_path(cfg.model.path))
+                                 if cfg.model.path else None)
     if src is not None:
         tok = load_tokenizer(src)
         if not out.exists():
@@ -49,29 +61,15 @@ def prepare_tokenizer(cfg: RunConfig, run_dir: Path):
     return train_bpe(texts, cfg.tokenizer.train_vocab_size, out)
 
 
-def _tokenizer_next_to(model_path: str | None) -> Path | None:
-    if model_path is None:
-        return None
-    from converters.loading import resolve_model_path
-
-    p = resolve_model_path(model_path)
-    for cand in (p, p / "tokenizer", p.parent / "tokenizer", p.parent.parent / "tokenizer"):
-        if (cand / "tokenizer.json").is_file():
-            return cand
-    return None
-
-
 def resolve_model_config(cfg: RunConfig, tokenizer) -> ModelConfig:
     m = cfg.model
     # qwix attaches LoRA params to each layer object on first call, which needs unrolled layers.
     switches = dict(scan_layers=m.scan_layers and not m.lora.rank, remat=m.remat, param_dtype=m.param_dtype,
                     compute_dtype=m.compute_dtype)
     if m.path is not None:
-        from converters.loading import resolve_model_path
-
         p = resolve_model_path(m.path)
         if (p / "config.json").is_file():
-            return ModelConfig.from_hf_config(json.loads((p / "config.json").read_text()), **switches)
+            return hf_model_config(p, **switches)
         ckpt_dir, step = find_checkpoint(p)
         return ModelConfig.model_validate(read_meta(ckpt_dir, step)["model_config"]).model_copy(
             update=switches)
