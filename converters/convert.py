@@ -170,7 +170,7 @@ class OrbaxParams:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.tree[key].shape)
 
-    def read(self, key: str, index: int | None = None) -> np.ndarray:
+    def read(self, key: str, index: tuple[int, ...] | None = None) -> np.ndarray:
         import tensorstore as ts
 
         name = self.tree[key].name
@@ -239,11 +239,11 @@ def hf_to_orbax(src, dst, *, dtype: str | None = None, scan_layers: bool = False
     chunks = shard_chunks(cfg, parse_mesh(mesh)) if mesh else {}
     cast = np.dtype(dtype) if dtype else None
     params = {}
-    for path, (names, transpose, stacked) in our_tensors(cfg).items():
+    for path, (names, transpose, stack) in our_tensors(cfg).items():
         shape = hf_shape(cfg, names[0])
-        shape = (len(names),) * stacked + (shape[::-1] if transpose else shape)
+        shape = stack + (shape[::-1] if transpose else shape)
         params[_key(path)] = LazyArray(shape, cast or reader.dtype(names[0]),
-                                       partial(build_param, names, transpose, stacked,
+                                       partial(build_param, names, transpose, stack,
                                                reader.get, cast), chunks.get(path))
     hf_cfg = read_hf_config(src)
     meta = {"model_config": cfg.model_dump(mode="json"), "step": 0, "lora": {},
@@ -278,8 +278,8 @@ def orbax_to_hf(src, dst, *, dtype: str | None = None, verify: bool = False) -> 
 
     def tensors():
         for name in hf_tensor_names(cfg):
-            path, layer, transpose = our_path(cfg, name)
-            read = store.read if layer is None else partial(_read_index, store, index=layer)
+            path, index, transpose = our_path(cfg, name)
+            read = partial(_read_index, store, index=index) if index else store.read
             arr = canonical_param(read, keys, "/".join(map(str, path)), scale)
             arr = arr.T if transpose else arr
             yield name, arr if cast is None else arr.astype(cast)
@@ -300,7 +300,7 @@ def orbax_to_hf(src, dst, *, dtype: str | None = None, verify: bool = False) -> 
     return Path(dst)
 
 
-def _read_index(store: OrbaxParams, key: str, index: int) -> np.ndarray:
+def _read_index(store: OrbaxParams, key: str, index: tuple[int, ...]) -> np.ndarray:
     return store.read(key, index)
 
 

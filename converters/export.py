@@ -61,7 +61,7 @@ class _LazyArray:
         return np.asarray(self.var[...]).T
 
     def __getitem__(self, i):
-        return np.asarray(self.var[...])[i]
+        return np.asarray(self.var[...][i])  # slice on the device, copy only the slice
 
     def __array__(self, dtype=None, copy=None):
         a = np.asarray(self.var[...])

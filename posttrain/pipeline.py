@@ -34,8 +34,13 @@ from posttrain.config import RunConfig
 from posttrain.data import generated
 from posttrain.data.dataset import load_rows
 from posttrain.errors import UserError
+from posttrain.models.qwen3_moe import add_router_loss
 from posttrain.sharding import make_mesh, shard_batch, use_mesh
-from posttrain.train.checkpoint import Checkpointer, restore_train_state, save_train_state
+from posttrain.train.checkpoint import (
+    Checkpointer,
+    restore_train_state,
+    save_train_state,
+)
 from posttrain.train.loop import create_model, prepare_tokenizer, resolve_model_config
 from posttrain.train.optimizer import lr_schedule, make_optimizer
 from posttrain.train.step import TrainState, make_train_step, token_logprobs
@@ -137,7 +142,9 @@ def make_loss_fn(cfg: RunConfig):
     clip_low, clip_high = g.clip
 
     def loss_fn(model, batch):
-        logits = model(batch["tokens"], batch["positions"], batch["segment_ids"]) / g.temperature
+        logits, router = model(batch["tokens"], batch["positions"], batch["segment_ids"],
+                               with_router_losses=True)
+        logits = logits / g.temperature
         logp = token_logprobs(logits, batch["targets"])
         mask = batch["loss_mask"]
         per_tok, aux = policy(logp, batch["logp_old"], batch["advantages"], mask, clip_low,
@@ -154,7 +161,7 @@ def make_loss_fn(cfg: RunConfig):
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         entropy = logz - (probs * logits).sum(-1)
         aux["entropy"] = jax.lax.stop_gradient((entropy * mask).sum() / n_tok)
-        return s, n, aux
+        return add_router_loss(model.cfg, s, n, router, aux)
 
     return loss_fn
 

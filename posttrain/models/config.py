@@ -28,7 +28,7 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    arch: Literal["qwen3", "llama3"] = "qwen3"
+    arch: Literal["qwen3", "qwen3_moe", "llama3"] = "qwen3"
     vocab_size: int = Field(512, gt=0)
     hidden_size: int = Field(256, gt=0)
     intermediate_size: int = Field(768, gt=0)
@@ -41,11 +41,22 @@ class ModelConfig(BaseModel):
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 40960
+    # Mixture of experts (qwen3_moe): every layer's MLP is `num_experts` experts of width
+    # `moe_intermediate_size`, `num_experts_per_tok` of them per token.
+    num_experts: int = Field(0, ge=0)
+    num_experts_per_tok: int = Field(0, ge=0)
+    moe_intermediate_size: int = Field(0, ge=0)
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = Field(0.001, ge=0, description="load-balancing loss weight")
+    router_z_loss_coef: float = Field(0.0, ge=0, description="router z-loss weight (ST-MoE)")
     # Implementation switches (not architecture): they never change the function computed.
     scan_layers: bool = True
     remat: Literal["none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_out_proj"] = "none"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    moe_impl: Literal["ragged", "dense"] = Field(
+        "ragged", description="ragged: tokens sorted by expert, grouped matmul (ragged_dot); "
+        "dense: every expert on every token, weighted (tiny models, tests)")
 
     @model_validator(mode="after")
     def _check_heads(self) -> "ModelConfig":
@@ -56,12 +67,20 @@ class ModelConfig(BaseModel):
             )
         if self.head_dim % 2:
             raise ValueError("head_dim must be even (RoPE rotates pairs)")
+        if self.is_moe and not (self.moe_intermediate_size > 0
+                                and 0 < self.num_experts_per_tok <= self.num_experts):
+            raise ValueError("qwen3_moe needs moe_intermediate_size > 0 and "
+                             "0 < num_experts_per_tok <= num_experts")
         return self
+
+    @property
+    def is_moe(self) -> bool:
+        return self.arch == "qwen3_moe"
 
     @property
     def qk_norm(self) -> bool:
         # Qwen3 normalises queries and keys per head before RoPE; Llama 3 does not.
-        return self.arch == "qwen3"
+        return self.arch in ("qwen3", "qwen3_moe")
 
     # ---- presets: named constructors for the published sizes --------------------------------
     @classmethod
@@ -79,6 +98,12 @@ class ModelConfig(BaseModel):
                    tie_word_embeddings=tie, max_position_embeddings=40960, **kw)
 
     @classmethod
+    def qwen3_moe(cls, hidden, inter, moe_inter, layers, heads, kv, experts, top_k) -> "ModelConfig":
+        return cls.qwen3(hidden, inter, layers, heads, kv, False).model_copy(update=dict(
+            arch="qwen3_moe", moe_intermediate_size=moe_inter, num_experts=experts,
+            num_experts_per_tok=top_k, norm_topk_prob=True, router_aux_loss_coef=0.001))
+
+    @classmethod
     def llama3(cls, hidden, inter, layers, heads, kv, tie, factor, head_dim=128) -> "ModelConfig":
         return cls(arch="llama3", vocab_size=128256, hidden_size=hidden, intermediate_size=inter,
                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
@@ -90,9 +115,19 @@ class ModelConfig(BaseModel):
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], **overrides: Any) -> "ModelConfig":
         model_type = hf.get("model_type")
-        arch = {"qwen3": "qwen3", "llama": "llama3"}.get(model_type)
+        arch = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "llama": "llama3"}.get(model_type)
         if arch is None:
-            raise ValueError(f"unsupported HF model_type {model_type!r} (supported: qwen3, llama)")
+            raise ValueError(f"unsupported HF model_type {model_type!r} "
+                             "(supported: qwen3, qwen3_moe, llama)")
+        moe = {}
+        if arch == "qwen3_moe":
+            if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+                raise ValueError("qwen3_moe with dense layers (decoder_sparse_step != 1 or "
+                                 "mlp_only_layers) is not supported; every layer must be sparse")
+            moe = dict(num_experts=hf.get("num_experts", hf.get("num_local_experts")), num_experts_per_tok=hf["num_experts_per_tok"],
+                       moe_intermediate_size=hf["moe_intermediate_size"],
+                       norm_topk_prob=hf.get("norm_topk_prob", True),
+                       router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001))
         scaling = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})
         rope_theta = hf.get("rope_theta", scaling.get("rope_theta", 10000.0))
         rope_scaling = None
@@ -109,7 +144,7 @@ class ModelConfig(BaseModel):
             head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
             rope_theta=rope_theta, rope_scaling=rope_scaling, rms_norm_eps=hf["rms_norm_eps"],
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            max_position_embeddings=hf.get("max_position_embeddings", 40960), **overrides)
+            max_position_embeddings=hf.get("max_position_embeddings", 40960), **moe, **overrides)
 
     def to_hf_config(self) -> dict[str, Any]:
         common = dict(
@@ -124,6 +159,13 @@ class ModelConfig(BaseModel):
         )
         if self.arch == "qwen3":
             return dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], **common)
+        if self.arch == "qwen3_moe":
+            return dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+                        num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                        moe_intermediate_size=self.moe_intermediate_size,
+                        norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1,
+                        mlp_only_layers=[], router_aux_loss_coef=self.router_aux_loss_coef,
+                        **common)
         scaling = self.rope_scaling.model_dump() if self.rope_scaling else None
         return dict(model_type="llama", architectures=["LlamaForCausalLM"], mlp_bias=False,
                     rope_scaling=scaling, **common)
@@ -136,6 +178,8 @@ PRESETS = {
     "qwen3_8b": lambda: ModelConfig.qwen3(4096, 12288, 36, 32, 8, False),
     "qwen3_14b": lambda: ModelConfig.qwen3(5120, 17408, 40, 40, 8, False),
     "qwen3_32b": lambda: ModelConfig.qwen3(5120, 25600, 64, 64, 8, False),
+    "qwen3_30b_a3b": lambda: ModelConfig.qwen3_moe(2048, 6144, 768, 48, 32, 4, 128, 8),
+    "qwen3_235b_a22b": lambda: ModelConfig.qwen3_moe(4096, 12288, 1536, 94, 64, 4, 128, 8),
     "llama3_2_1b": lambda: ModelConfig.llama3(2048, 8192, 16, 32, 8, True, 32.0, head_dim=64),
     "llama3_2_3b": lambda: ModelConfig.llama3(3072, 8192, 28, 24, 8, True, 32.0),
     "llama3_1_8b": lambda: ModelConfig.llama3(4096, 14336, 32, 32, 8, False, 8.0),

@@ -1,4 +1,4 @@
-"""Shared transformer layers for every architecture in the zoo (Qwen3, Llama 3).
+"""Shared transformer layers for every architecture in the zoo (Qwen3, Qwen3 MoE, Llama 3).
 
 Parameters are `nnx.Param`s whose metadata `logical_axes` names each dimension (`embed`, `mlp`,
 `heads`, ...); `posttrain.sharding` maps those names to mesh axes with the recipe's rules table, so
@@ -169,12 +169,22 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         pd = DTYPES[cfg.param_dtype]
         self.self_attn = Attention(cfg, rngs)
-        self.mlp = MLP(cfg, rngs)
+        if cfg.is_moe:
+            from posttrain.models.qwen3_moe import SparseMoeBlock
+
+            self.mlp = SparseMoeBlock(cfg, rngs)
+        else:
+            self.mlp = MLP(cfg, rngs)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
 
     def __call__(self, x, pos, seg, inv_freq, kv=None):
+        """-> (x, new kv, router stats: {} for a dense MLP)."""
         h, new_kv = self.self_attn(self.input_layernorm(x), pos, seg, inv_freq, kv)
         x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return constrain(x, ACT_AXES), new_kv
+        if isinstance(self.mlp, MLP):
+            h, stats = self.mlp(self.post_attention_layernorm(x)), {}
+        else:
+            h, stats = self.mlp(self.post_attention_layernorm(x), seg != 0)
+        x = x + h
+        return constrain(x, ACT_AXES), new_kv, stats

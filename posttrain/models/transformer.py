@@ -93,9 +93,10 @@ class Decoder(nnx.Module):
 
             def scan_body(x, xs):
                 st, kv = xs
-                return body(x, st, kv)
+                x, kv, stats = body(x, st, kv)
+                return x, (kv, stats)
 
-            x, new_kv = jax.lax.scan(scan_body, x, (state, kv_l))
+            x, (new_kv, stats) = jax.lax.scan(scan_body, x, (state, kv_l))
         else:
             # Unrolled: call each layer object itself (qwix attaches LoRA params to it).
             def call(layer, x, kv):
@@ -104,22 +105,24 @@ class Decoder(nnx.Module):
 
             if cfg.remat != "none":
                 call = nnx.remat(call, policy=policy)
-            new_k, new_v = [], []
+            new_k, new_v, per_layer = [], [], []
             for i, layer in enumerate(self.layers):
                 kv = None if cache is None else (cache.k[i], cache.v[i])
-                x, kv_out = call(layer, x, kv)
+                x, kv_out, layer_stats = call(layer, x, kv)
+                per_layer.append(layer_stats)
                 if kv_out is not None:
                     new_k.append(kv_out[0])
                     new_v.append(kv_out[1])
             new_kv = None if cache is None else (jnp.stack(new_k), jnp.stack(new_v))
+            stats = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
         x = self.norm(x)
         if cache is not None:
             cache = cache._replace(k=new_kv[0], v=new_kv[1])
-        return x, cache
+        return x, cache, stats
 
 
 class CausalLM(nnx.Module):
-    """Qwen3 / Llama 3 causal LM. Parameter paths mirror HF (`model.layers.*`, `lm_head`)."""
+    """Qwen3 / Qwen3 MoE / Llama 3 causal LM. Parameter paths mirror HF (`model.layers.*`, `lm_head`)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.model = Decoder(cfg, rngs)
@@ -146,7 +149,14 @@ class CausalLM(nnx.Module):
             y = self.lm_head(x2)
         return y.reshape(*x_bte.shape[:-1], y.shape[-1])
 
-    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, cache=None):
-        x, cache = self.hidden_states(tokens_bt, positions_bt, segment_ids_bt, cache)
+    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, cache=None,
+                 with_router_losses: bool = False):
+        """Logits; with a cache, (logits, cache); with `with_router_losses`, (logits, losses)
+        where losses holds the MoE router's load-balancing and z losses ({} for dense models)."""
+        x, cache, stats = self.hidden_states(tokens_bt, positions_bt, segment_ids_bt, cache)
         logits = self.logits_from_hidden(x)
+        if with_router_losses:
+            from posttrain.models.qwen3_moe import router_losses
+
+            return logits, router_losses(self.cfg, stats)
         return logits if cache is None else (logits, cache)

@@ -37,10 +37,13 @@ def token_logprobs(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
 
 def next_token_loss(model: nnx.Module, batch: dict) -> tuple[jax.Array, jax.Array, dict]:
     """Cross-entropy of `targets` under `loss_mask`; returns (sum, token count, aux)."""
-    logits = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+    from posttrain.models.qwen3_moe import add_router_loss
+
+    logits, router = model(batch["tokens"], batch["positions"], batch["segment_ids"],
+                           with_router_losses=True)
     logp = token_logprobs(logits, batch["targets"])
     mask = batch["loss_mask"].astype(jnp.float32)
-    return -(logp * mask).sum(), mask.sum(), {}
+    return add_router_loss(model.cfg, -(logp * mask).sum(), mask.sum(), router, {})
 
 
 def _reseed_dropout(model: nnx.Module, rng: jax.Array) -> None:
