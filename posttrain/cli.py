@@ -1,4 +1,4 @@
-"""`posttrain` command line: run, validate, convert, generate, eval.
+"""`posttrain` command line: run, validate, convert, plan, generate, eval.
 
 User mistakes (`UserError`) print one line `posttrain: error: ...` and exit 2; bugs keep their
 traceback.
@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     from converters.convert import add_parser as add_convert
 
     add_convert(sub)
+    from posttrain.plan import add_parser as add_plan
+
+    add_plan(sub)
     from rollout.cli_generate import add_parser as add_generate
 
     add_generate(sub)
@@ -78,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "early", None):  # e.g. device flags that must precede JAX's start
+            args.early(args)
         return args.fn(args)
     except UserError as e:
         print(f"posttrain: error: {e}", file=sys.stderr)

@@ -254,6 +254,8 @@ class RolloutSection(Strict):
     dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     enforce_eager: bool = Field(False, description="vLLM: skip graph capture / compilation "
                                 "(faster start, ~10x slower decode on CPU)")
+    enable_expert_parallel: bool = Field(False, description="vLLM: experts of MoE models over "
+                                         "the tensor-parallel ranks instead of sliced")
 
 
 class EvalSection(Strict):
@@ -263,6 +265,11 @@ class EvalSection(Strict):
     max_tokens: int | None = None
     after_stage: bool = Field(False, description="held-out accuracy after the stage; a summary "
                               "table and plot for the recipe")
+
+
+class PlanSection(Strict):
+    accelerator: Literal["h100", "h200", "a100", "b200", "mi300x", "v4", "v5e", "v5p", "v6e",
+                         "cpu"] = Field("h100", description="device `posttrain plan` fits to")
 
 
 class RayConfig(Strict):
@@ -287,6 +294,7 @@ class RunConfig(Strict):
     rollout: RolloutSection = RolloutSection()
     eval: EvalSection = EvalSection()
     ray: RayConfig = RayConfig()
+    plan: PlanSection = PlanSection()
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -42,7 +42,7 @@ from posttrain.train.checkpoint import (
     save_train_state,
 )
 from posttrain.train.loop import create_model, prepare_tokenizer, resolve_model_config
-from posttrain.train.optimizer import lr_schedule, make_optimizer
+from posttrain.train.optimizer import init_opt_state, lr_schedule, make_optimizer
 from posttrain.train.step import TrainState, make_train_step, token_logprobs
 
 
@@ -192,7 +192,8 @@ def build_engines(cfg: RunConfig, model, tokenizer, run_dir: Path):
 
         return VllmEngine(str(hf_dir), dtype=r.dtype, gpu_memory_utilization=r.gpu_memory_utilization,
                           tensor_parallel_size=r.tensor_parallel_size, seed=cfg.seed,
-                          enforce_eager=r.enforce_eager)
+                          enforce_eager=r.enforce_eager,
+                          enable_expert_parallel=r.enable_expert_parallel)
     import ray
 
     from rollout.worker import WorkerGroup
@@ -204,7 +205,8 @@ def build_engines(cfg: RunConfig, model, tokenizer, run_dir: Path):
     spec = {"kind": r.engine, "model_dir": str(hf_dir), "tokenizer_dir": str(hf_dir), "seed": cfg.seed,
             "vllm": {"dtype": r.dtype, "gpu_memory_utilization": r.gpu_memory_utilization,
                      "tensor_parallel_size": r.tensor_parallel_size, "seed": cfg.seed,
-                     "enforce_eager": r.enforce_eager}}
+                     "enforce_eager": r.enforce_eager,
+                     "enable_expert_parallel": r.enable_expert_parallel}}
     return WorkerGroup(spec, r.num_workers)
 
 
@@ -292,7 +294,7 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
         graphdef, params, frozen = nnx.split(model, trainable, ...)
         ref_params = jax.tree.map(jnp.copy, params) if g.beta > 0 else None  # beta 0: no reference
         optimizer = make_optimizer(cfg.optimizer, t.steps * g.mu * g.mini_batches)
-        state = TrainState(params, frozen, jax.jit(optimizer.init)(params), jnp.zeros((), jnp.int32),
+        state = TrainState(params, frozen, init_opt_state(optimizer, params), jnp.zeros((), jnp.int32),
                            jax.random.key_data(jax.random.key(cfg.seed)))
         state_sh = jax.tree.map(lambda x: x.sharding, state)
         loss_fn = make_loss_fn(cfg)

@@ -73,6 +73,29 @@ def param_logical_axes(var: nnx.Variable) -> tuple[str | None, ...]:
     return axes
 
 
+def shard_shape(shape: Sequence[int], spec: PartitionSpec, mesh_shape) -> tuple[int, ...]:
+    """The per-device block of an array of `shape` laid out as `spec` over a mesh of these sizes."""
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    out = []
+    for dim, entry in zip(shape, entries):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        out.append(-(-dim // math.prod(mesh_shape[a] for a in axes)))
+    return tuple(out)
+
+
+def param_shard_shapes(state: nnx.State, mesh, rules: Rules) -> dict[tuple, tuple[tuple, tuple, np.dtype]]:
+    """path -> (global shape, per-device shape, dtype) of every variable, from its logical axes.
+    `mesh` may be an AbstractMesh: nothing is placed."""
+    out = {}
+    for path, var in nnx.to_flat_state(state):
+        if not isinstance(var, nnx.Variable):
+            continue
+        spec = logical_to_spec(param_logical_axes(var), rules, mesh, var.shape)
+        out[tuple(path)] = (tuple(var.shape), shard_shape(var.shape, spec, mesh.shape),
+                            np.dtype(var.dtype))
+    return out
+
+
 def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
     """NamedSharding for every variable of an NNX state, from its logical axes."""
 
@@ -94,6 +117,11 @@ def use_mesh(mesh: Mesh, rules: Rules):
             yield mesh
     finally:
         _ACTIVE.pop()
+
+
+def active_mesh() -> tuple[Mesh, Rules] | None:
+    """The (mesh, rules) of the innermost `use_mesh`, if any."""
+    return _ACTIVE[-1] if _ACTIVE else None
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:

@@ -24,14 +24,16 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the model r
 class VllmEngine:
     def __init__(self, model_dir: str, *, dtype: str = "float32", gpu_memory_utilization: float = 0.15,
                  tensor_parallel_size: int = 1, max_model_len: int | None = None, seed: int = 0,
-                 version: int = 0, enforce_eager: bool = False):
+                 version: int = 0, enforce_eager: bool = False,
+                 enable_expert_parallel: bool = False):
         from vllm import LLM
 
         self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed,
                        gpu_memory_utilization=gpu_memory_utilization,
                        tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
                        logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
-                       enable_prefix_caching=True)
+                       enable_prefix_caching=True,
+                       **({"enable_expert_parallel": True} if enable_expert_parallel else {}))
         self.tokenizer = self.llm.get_tokenizer()
         self.version = version
 

@@ -45,28 +45,79 @@ def route(logits_nx: jax.Array, k: int, norm_topk_prob: bool):
     return weights, ids, probs
 
 
-def experts_dense(x_ne, weights_nk, ids_nk, w: Experts) -> jax.Array:
-    x_count = w.gate_proj.shape[0]
-    combine = (jax.nn.one_hot(ids_nk, x_count, dtype=weights_nk.dtype) * weights_nk[..., None]).sum(1)
-    g = jnp.einsum("ne,xef->xnf", x_ne, w.gate_proj[...].astype(x_ne.dtype))
-    u = jnp.einsum("ne,xef->xnf", x_ne, w.up_proj[...].astype(x_ne.dtype))
-    y = jnp.einsum("xnf,xfe->xne", jax.nn.silu(g) * u, w.down_proj[...].astype(x_ne.dtype))
+def experts_dense(x_ne, weights_nk, ids_nk, g_xef, u_xef, d_xfe, first_expert=0) -> jax.Array:
+    """Every expert (of those held here: ids first_expert .. +X) on every token, weighted."""
+    x_count = g_xef.shape[0]
+    combine = (jax.nn.one_hot(ids_nk - first_expert, x_count, dtype=weights_nk.dtype)
+               * weights_nk[..., None]).sum(1)  # ids outside this block one-hot to zeros
+    g = jnp.einsum("ne,xef->xnf", x_ne, g_xef)
+    u = jnp.einsum("ne,xef->xnf", x_ne, u_xef)
+    y = jnp.einsum("xnf,xfe->xne", jax.nn.silu(g) * u, d_xfe)
     return jnp.einsum("xne,nx->ne", y, combine.astype(x_ne.dtype))
 
 
-def experts_ragged(x_ne, weights_nk, ids_nk, w: Experts) -> jax.Array:
+def experts_ragged(x_ne, weights_nk, ids_nk, g_xef, u_xef, d_xfe, first_expert=0,
+                   num_experts=None) -> jax.Array:
+    """Assignments sorted by expert, grouped matmuls over the experts held here (ids
+    first_expert .. +X): their rows are moved to the front, every other row comes out zero."""
     n, k = ids_nk.shape
-    x_count = w.gate_proj.shape[0]
+    x_local = g_xef.shape[0]
     flat = ids_nk.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
     token = order // k
-    sizes = jnp.bincount(flat, length=x_count).astype(jnp.int32)
-    xs = x_ne[token]
-    g = jax.lax.ragged_dot(xs, w.gate_proj[...].astype(xs.dtype), sizes)
-    u = jax.lax.ragged_dot(xs, w.up_proj[...].astype(xs.dtype), sizes)
-    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, w.down_proj[...].astype(xs.dtype), sizes)
+    sizes = jnp.bincount(flat, length=num_experts or x_local).astype(jnp.int32)
+    start = jnp.cumsum(sizes)[first_expert] - sizes[first_expert] if num_experts else 0
+    local = jax.lax.dynamic_slice_in_dim(sizes, first_expert, x_local) if num_experts else sizes
+    xs = jnp.roll(x_ne[token], -start, axis=0)
+    g = jax.lax.ragged_dot(xs, g_xef, local)
+    u = jax.lax.ragged_dot(xs, u_xef, local)
+    y = jnp.roll(jax.lax.ragged_dot(jax.nn.silu(g) * u, d_xfe, local), start, axis=0)
     y = y * weights_nk.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros_like(x_ne).at[token].add(y)
+
+
+def experts_parallel(x_ne, weights_nk, ids_nk, g_xef, u_xef, d_xfe, impl: str) -> jax.Array:
+    """The experts under the active mesh, as a shard_map: every device routes its own tokens
+    (sharded over the batch axes, never gathered), applies the experts it holds (sliced over the
+    `expert` axis, their MLP dimension over `tensor`; FSDP-sharded weights are all-gathered
+    one layer at a time on the way in, as for dense layers), and the partial outputs are summed
+    over the expert and tensor axes. Without a mesh, the same function on one device."""
+    from jax.sharding import PartitionSpec as P
+
+    from posttrain.sharding import active_mesh, logical_to_spec
+
+    fn = experts_ragged if impl == "ragged" else experts_dense
+    active = active_mesh()
+    if active is None or active[0].size == 1:
+        return fn(x_ne, weights_nk, ids_nk, g_xef, u_xef, d_xfe)
+    mesh, rules = active
+    num_experts = g_xef.shape[0]
+    tok = logical_to_spec(("batch", None), rules, mesh, x_ne.shape)
+    ex = logical_to_spec(("expert",), rules, mesh, (num_experts,))[0]
+    mlp = logical_to_spec(("mlp",), rules, mesh, (g_xef.shape[-1],))[0]
+
+    def names(entry):
+        return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+    ex_axes, mlp_axes = names(ex), names(mlp)
+    if set(ex_axes) & set(names(tok[0])):
+        from posttrain.errors import UserError
+
+        raise UserError("mesh.rules: `batch` and `expert` share a mesh axis; MoE layers need the "
+                        "tokens replicated over the expert axis")
+    w_in, w_out = P(ex, None, mlp), P(ex, mlp, None)
+
+    def local(x, w, ids, g, u, d):
+        first = jax.lax.axis_index(ex_axes) * g.shape[0] if ex_axes else 0
+        if impl == "ragged":
+            out = experts_ragged(x, w, ids, g, u, d, first, num_experts)
+        else:
+            out = experts_dense(x, w, ids, g, u, d, first)
+        reduce = ex_axes + mlp_axes
+        return jax.lax.psum(out, reduce) if reduce else out
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, w_in, w_in, w_out),
+                         out_specs=tok)(x_ne, weights_nk, ids_nk, g_xef, u_xef, d_xfe)
 
 
 class SparseMoeBlock(nnx.Module):
@@ -83,8 +134,10 @@ class SparseMoeBlock(nnx.Module):
         x = x_bte.reshape(b * t, e)
         logits = self.gate(x)
         weights, ids, probs = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        impl = experts_ragged if cfg.moe_impl == "ragged" else experts_dense
-        y = impl(x, weights.astype(x.dtype), ids, self.experts)
+        w = self.experts
+        y = experts_parallel(x, weights.astype(x.dtype), ids, w.gate_proj[...].astype(x.dtype),
+                             w.up_proj[...].astype(x.dtype), w.down_proj[...].astype(x.dtype),
+                             cfg.moe_impl)
         return y.reshape(b, t, e), router_stats(logits, probs, ids, valid_bt.reshape(-1), cfg.num_experts)
 
 

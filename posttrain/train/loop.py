@@ -33,7 +33,7 @@ from posttrain.train.checkpoint import (
     restore_train_state,
     save_train_state,
 )
-from posttrain.train.optimizer import lr_schedule, make_optimizer
+from posttrain.train.optimizer import init_opt_state, lr_schedule, make_optimizer
 from posttrain.train.step import (
     TrainState,
     make_eval_step,
@@ -146,7 +146,7 @@ def train_language_model(cfg: RunConfig, run_dir: Path, loss_fn=next_token_loss)
         lora_meta = cfg.model.lora.model_dump() if cfg.model.lora.rank else {}
         graphdef, params, frozen = nnx.split(model, trainable, ...)
         optimizer = make_optimizer(cfg.optimizer, t.steps)
-        state = TrainState(params, frozen, jax.jit(optimizer.init)(params),
+        state = TrainState(params, frozen, init_opt_state(optimizer, params),
                            jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(cfg.seed)))
         state_sh = jax.tree.map(lambda x: x.sharding, state)
         step_fn = jax.jit(make_train_step(graphdef, optimizer, loss_fn, t.grad_accum,

@@ -39,3 +39,33 @@ def make_optimizer(opt: OptimizerSection, total_steps: int) -> optax.GradientTra
     parts.append(optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps,
                              weight_decay=opt.weight_decay, mask=_decay_mask))
     return optax.chain(*parts)
+
+
+def opt_state_shardings(opt_abstract, params):
+    """Each optimizer-state leaf laid out like the parameter it mirrors (Adam's mu and nu are
+    trees of the parameters' paths and shapes), anything else replicated. Left to itself,
+    `jit(optimizer.init)` puts the zeros it creates on one device: FSDP would then hold the full
+    moments on device 0."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    by_path = {tuple(p): (x.sharding, tuple(x.shape)) for p, x in leaves}
+    first = leaves[0][1].sharding
+    default = NamedSharding(first.mesh, PartitionSpec()) if isinstance(first, NamedSharding) \
+        else first
+
+    def one(path, leaf):
+        path = tuple(path)
+        for n in range(len(path)):
+            hit = by_path.get(path[n:])
+            if hit is not None and hit[1] == tuple(leaf.shape):
+                return hit[0]
+        return default
+
+    return jax.tree_util.tree_map_with_path(one, opt_abstract)
+
+
+def init_opt_state(optimizer: optax.GradientTransformation, params):
+    """optimizer.init(params), sharded like the parameters (see opt_state_shardings)."""
+    abstract = jax.eval_shape(optimizer.init, params)
+    return jax.jit(optimizer.init, out_shardings=opt_state_shardings(abstract, params))(params)

@@ -107,3 +107,25 @@ def test_remat_and_scan_do_not_change_the_math(reference, remat, scan):
         stacked = jax.tree.map(lambda *xs: np.stack(xs), *[layers[i] for i in sorted(layers)])
         grads = {**grads, "model": {**grads["model"], "layers": stacked}}
     assert_close_tree(grads, reference[1])
+
+
+def test_optimizer_state_is_sharded_like_the_parameters():
+    """Adam's moments follow their parameters' layout (jit(optimizer.init) alone would put
+    them, unsharded, on one device)."""
+    from posttrain.config import OptimizerSection
+    from posttrain.train.optimizer import init_opt_state, make_optimizer
+
+    mesh = make_mesh(MeshSection(ici=MeshAxes(fsdp=4, tensor=2)))
+    with use_mesh(mesh, DEFAULT_RULES):
+        params = nnx.state(build_model(CFG, seed=0), nnx.Param)
+        params = jax.device_put(params, state_shardings(params, mesh, DEFAULT_RULES))
+        opt = init_opt_state(make_optimizer(OptimizerSection(), 10), params)
+    want = {jax.tree_util.keystr(p): a.sharding
+            for p, a in jax.tree_util.tree_flatten_with_path(params)[0]}
+    moments = [(jax.tree_util.keystr(p), a) for p, a in jax.tree_util.tree_flatten_with_path(opt)[0]
+               if a.ndim >= 1]
+    assert len(moments) == 2 * len(want)  # mu and nu
+    for key, m in moments:
+        (param_key,) = [k for k in want if key.endswith(k)]
+        assert m.sharding == want[param_key], key
+    assert any(m.sharding.spec != P() for _, m in moments)

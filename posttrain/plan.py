@@ -1,0 +1,531 @@
+"""`posttrain plan`: the per-device memory and sharding plan of a recipe, before any hardware.
+
+Two independent answers, side by side:
+
+1. An analytical estimate per device: parameters, gradients, optimizer state, the frozen
+   reference (GRPO with beta > 0), activations saved for the backward pass under the recipe's
+   remat policy, the logits, and the rollout engine's weights and KV cache. Every parameter's
+   per-device block comes from the same logical-axis rules the trainer uses (on an abstract mesh:
+   nothing is allocated), so an axis that does not divide shows up here as it would in a run.
+2. XLA's own numbers: the real train step (same loss, optimizer, shardings, donation) lowered
+   and compiled ahead of time for the target, as MaxText's train_compile does. TPU targets
+   (`--topology v5p-64`) compile through libtpu's topology description on this CPU machine
+   (libtpu installed aside, see LIBTPU); GPU targets lower and compile on a CPU mesh of the
+   same shape, which proves every sharding divides (XLA:CPU's buffer sizes, not CUDA kernels').
+
+It then says whether the plan fits the accelerator, and if not, which setting to change and to
+what value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from posttrain.errors import UserError
+
+GB = 1e9
+# name -> (label, bytes of device memory)
+ACCELERATORS = {
+    "h100": ("NVIDIA H100 80GB", 80 * GB), "h200": ("NVIDIA H200 141GB", 141 * GB),
+    "a100": ("NVIDIA A100 80GB", 80 * GB), "b200": ("NVIDIA B200 180GB", 180 * GB),
+    "mi300x": ("AMD MI300X 192GB", 192 * GB), "v4": ("TPU v4 32GB", 32 * GB),
+    "v5e": ("TPU v5e 16GB", 16 * GB), "v5p": ("TPU v5p 95GB", 95 * GB),
+    "v6e": ("TPU v6e 32GB", 32 * GB), "cpu": ("host CPU", 24 * GB),
+}
+# TPU slice names (TensorCores for v4/v5p, chips for v5e/v6e) -> libtpu topology, chips
+TPU_TOPOLOGIES = {
+    "v4-8": "v4:2x2x1", "v4-16": "v4:2x2x2", "v4-32": "v4:2x2x4", "v4-64": "v4:2x4x4",
+    "v5p-8": "v5p:2x2x1", "v5p-16": "v5p:2x2x2", "v5p-32": "v5p:2x2x4", "v5p-64": "v5p:2x4x4",
+    "v5p-128": "v5p:4x4x4", "v5p-256": "v5p:4x4x8",
+    "v5e-4": "v5e:2x2", "v5e-8": "v5e:2x4", "v5e-16": "v5e:4x4", "v5e-256": "v5e:16x16",
+    "v6e-4": "v6e:2x2", "v6e-8": "v6e:2x4", "v6e-16": "v6e:4x4", "v6e-256": "v6e:16x16",
+}
+USABLE = 0.92  # of device memory: the runtime, XLA's scratch and fragmentation take the rest
+# The libtpu that jax[tpu]==0.10.2 pins. Installed *outside* site-packages (vLLM takes an
+# importable libtpu to mean "this machine has TPUs" and refuses to start on CPU):
+#   pip install --no-deps --target "$VIRTUAL_ENV/libtpu" libtpu==0.0.42.1   (make install does)
+LIBTPU = "libtpu==0.0.42.1"
+
+
+@dataclass
+class Estimate:
+    """Bytes per device, by component."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    reference: float = 0.0
+    casts: float = 0.0
+    gathered: float = 0.0
+    activations: float = 0.0
+    logits: float = 0.0
+    batch: float = 0.0
+    rollout_weights: float = 0.0
+    rollout_kv: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def trainer(self) -> float:
+        return (self.params + self.grads + self.optimizer + self.reference + self.casts
+                + self.gathered + self.activations + self.logits + self.batch)
+
+    @property
+    def rollout(self) -> float:
+        return self.rollout_weights + self.rollout_kv
+
+    def rows(self) -> list[tuple[str, float]]:
+        return [("parameters", self.params), ("gradients", self.grads),
+                ("optimizer state", self.optimizer), ("reference model", self.reference),
+                ("parameters cast to the compute dtype", self.casts),
+                ("gathered layer weights + their gradients", self.gathered),
+                ("activations (saved for backward)", self.activations),
+                ("logits", self.logits), ("batch", self.batch),
+                ("rollout weights", self.rollout_weights), ("rollout KV cache", self.rollout_kv)]
+
+
+# ---- inputs ------------------------------------------------------------------------------------
+def model_config_for_plan(cfg):
+    """The architecture without downloading anything: a local model.path's config.json, else the
+    preset, else model.config."""
+    from pathlib import Path
+
+    from posttrain.models.config import ModelConfig
+
+    m = cfg.model
+    switches = dict(scan_layers=m.scan_layers and not m.lora.rank, remat=m.remat,
+                    param_dtype=m.param_dtype, compute_dtype=m.compute_dtype)
+    if m.path and (Path(m.path) / "config.json").is_file():
+        from converters.loading import hf_model_config
+
+        return hf_model_config(Path(m.path), **switches)
+    if m.preset:
+        return ModelConfig.preset(m.preset, **switches)
+    if m.config is not None:
+        return m.config.model_copy(update=switches)
+    raise UserError("model: `posttrain plan` needs model.preset (or a local model.path with "
+                    "config.json, or model.config) to know the architecture without downloading")
+
+
+def rows_per_update(cfg) -> int:
+    """Sequences in one optimizer update (before grad_accum splits them into micro-batches)."""
+    if is_rl(cfg):
+        g = cfg.grpo
+        return g.prompts_per_step * g.group_size // g.mini_batches
+    return cfg.train.batch_size
+
+
+def is_rl(cfg) -> bool:
+    return cfg.algorithm == "grpo"  # GSPO, DAPO and Dr.GRPO are GRPO settings
+
+
+# ---- analytical estimate -------------------------------------------------------------------------
+def activation_bytes_per_token_layer(mc, remat: str, tensor: int, seq_len: int) -> float:
+    """Bytes one token leaves per layer for the backward pass, by remat policy. Head and MLP
+    dimensions are split over the tensor axis; attention scores and probabilities are f32 [H, T]."""
+    c = 2 if mc.compute_dtype == "bfloat16" else 4
+    e, h, k, d = mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+    hd, kd = h * d / tensor, k * d / tensor
+    scores = 2 * 4 * h / tensor * seq_len  # scores and softmax probabilities, f32
+    if mc.is_moe:
+        f_act = mc.num_experts_per_tok * mc.moe_intermediate_size
+        mlp = 3 * f_act * c + mc.num_experts_per_tok * 2 * e * c + 3 * 4 * mc.num_experts
+    else:
+        mlp = 3 * mc.intermediate_size / tensor * c  # gate, up, silu(gate)*up
+    norms = 2 * e * c + 2 * e * 4  # two normalised inputs (+ their f32 copies)
+    attn = (2 * hd + 3 * kd + hd) * c + scores  # q, rope(q), k, v, rope(k), attention out
+    everything = norms + attn + mlp + 3 * e * c  # + o_proj out, residuals
+    if remat == "none":
+        return everything
+    if remat == "full":
+        return e * c  # the layer input only (one layer is recomputed at a time: see below)
+    dots = (hd + 2 * kd + hd) * c + e * c + mlp * (2 / 3) + e * c  # matmul outputs
+    if remat == "dots":
+        return dots + scores / 2
+    if remat == "dots_no_batch":
+        return dots
+    if remat == "save_qkv_proj":
+        return e * c + hd * c
+    return e * c + e * c  # save_out_proj
+
+
+def estimate(cfg, mc, mesh_sizes: dict[str, int], hbm: float) -> Estimate:
+    from flax import nnx
+    from jax.sharding import AbstractMesh
+
+    from posttrain.models.transformer import CausalLM
+    from posttrain.sharding import param_shard_shapes
+
+    est = Estimate()
+    mesh = AbstractMesh(tuple(mesh_sizes.values()), tuple(mesh_sizes))
+    abstract = nnx.eval_shape(lambda: CausalLM(mc, nnx.Rngs(0)))
+    shapes = param_shard_shapes(nnx.state(abstract, nnx.Param), mesh, cfg.mesh.rules)
+    pbytes = sum(math.prod(local) * dt.itemsize for _, local, dt in shapes.values())
+    lora = cfg.model.lora
+    if lora.rank:
+        target = re.compile(lora.target_modules)
+        adapters = sum((g[-2] + g[-1]) * lora.rank * 4 * (math.prod(g[:-2]) if len(g) > 2 else 1)
+                       for p, (g, _, _) in shapes.items()
+                       if p[-1] == "kernel" and target.search("/".join(map(str, p[:-1]))))
+        base = sum(math.prod(local) * (1 if lora.int8_base and p[-1] == "kernel" else dt.itemsize)
+                   for p, (_, local, dt) in shapes.items())
+        est.params, trainable = base + adapters, adapters
+        est.notes.append(f"LoRA r{lora.rank}: {adapters / GB:.3f} GB of adapters (replicated)")
+    else:
+        est.params, trainable = pbytes, pbytes
+    # the gradient of the micro-batch, plus the accumulator when grad_accum > 1
+    est.grads = trainable * (2 if cfg.train.grad_accum > 1 else 1)
+    est.optimizer = 2 * trainable  # AdamW: first and second moments in the parameter dtype
+    if is_rl(cfg) and cfg.grpo.beta > 0:
+        est.reference = trainable
+    c = 2 if mc.compute_dtype == "bfloat16" else 4
+    if mc.compute_dtype != mc.param_dtype:  # XLA hoists the casts of the stacked weights
+        est.casts = sum(math.prod(local) * c for _, local, _ in shapes.values())
+    # FSDP: each layer's weights are all-gathered over the batch axes (data, fsdp) in the compute
+    # dtype, once for the forward, again for the recomputation/backward, with the next layer's
+    # prefetched; the layer's gradient exists unreduced (f32) before its reduce-scatter.
+    unsharded = AbstractMesh(tuple(1 if a in ("data", "fsdp") else n for a, n in mesh_sizes.items()),
+                             tuple(mesh_sizes))
+    if mesh_sizes["data"] * mesh_sizes["fsdp"] > 1:
+        full = param_shard_shapes(nnx.state(abstract, nnx.Param), unsharded, cfg.mesh.rules)
+        per_layer = sum(math.prod(local) / (mc.num_hidden_layers if "layers" in p else 1)
+                        for p, (_, local, _) in full.items() if "layers" in p)
+        est.gathered = per_layer * (3 * c + 4)
+    batch_shards = mesh_sizes["data"] * mesh_sizes["fsdp"]
+    rows = rows_per_update(cfg) / cfg.train.grad_accum / batch_shards
+    t = cfg.data.seq_len
+    tokens = rows * t
+    per_layer = activation_bytes_per_token_layer(mc, mc.remat, mesh_sizes["tensor"], t)
+    est.activations = tokens * per_layer * mc.num_hidden_layers
+    if mc.remat != "none":  # the layer being recomputed holds its full activations
+        est.activations += tokens * activation_bytes_per_token_layer(mc, "none", mesh_sizes["tensor"], t)
+    vocab_local = math.ceil(mc.vocab_size / mesh_sizes["tensor"])
+    est.logits = tokens * vocab_local * (c + 4)  # logits in the compute dtype and in f32
+    est.batch = rows * t * 4 * 8 * cfg.train.grad_accum  # int32/f32 inputs of the whole update
+    if is_rl(cfg) and cfg.rollout.placement == "colocated":
+        r, g = cfg.rollout, cfg.grpo
+        rb = 2 if r.dtype in ("bfloat16", "auto") else 4
+        total_params = sum(math.prod(g_) for g_, _, _ in shapes.values())
+        n_dev = math.prod(mesh_sizes.values())
+        if r.engine == "vllm":
+            engines = max(1, n_dev // r.tensor_parallel_size)
+            est.rollout_weights = total_params * rb / r.tensor_parallel_size
+            seqs = g.prompts_per_step * g.group_size / engines
+            kv = (2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * rb
+                  / r.tensor_parallel_size)
+            est.rollout_kv = seqs * t * kv
+            budget = r.gpu_memory_utilization * hbm
+            est.notes.append(
+                f"vLLM reserves gpu_memory_utilization x memory = {budget / GB:.1f} GB per device "
+                f"for its weights ({est.rollout_weights / GB:.1f} GB) and KV cache (all "
+                f"{g.prompts_per_step * g.group_size} sequences at once need "
+                f"{est.rollout_kv / GB:.1f} GB; vLLM queues what does not fit)")
+            est.rollout_kv = max(0.0, budget - est.rollout_weights)
+        else:
+            est.rollout_weights = pbytes  # the colocated JAX engine copies the (sharded) weights
+            seqs = g.prompts_per_step * g.group_size / batch_shards
+            est.rollout_kv = seqs * t * 2 * mc.num_hidden_layers * mc.num_key_value_heads \
+                * mc.head_dim * (2 if mc.compute_dtype == "bfloat16" else 4) / mesh_sizes["tensor"]
+    return est
+
+
+def advice(cfg, mc, est: Estimate, hbm: float, mesh_sizes: dict[str, int]) -> list[str]:
+    """If the plan does not fit: the first line says by how much; each further line is one
+    setting, its new value and what it saves ("enough" when that change alone makes it fit)."""
+    budget = USABLE * hbm
+    total = est.trainer + est.rollout
+    if total <= budget:
+        return []
+    over = total - budget
+    out = [f"does not fit: {total / GB:.1f} GB needed per device, {budget / GB:.1f} GB usable "
+           f"({USABLE:.0%} of {hbm / GB:.0f} GB); {over / GB:.1f} GB over"]
+
+    def line(setting: str, saves: float, why: str = "") -> str:
+        verdict = "enough" if saves >= over else "not enough alone"
+        return f"{setting}: saves {saves / GB:.1f} GB ({verdict}){'; ' + why if why else ''}"
+
+    rows, accum = rows_per_update(cfg), cfg.train.grad_accum
+    act = est.activations + est.logits
+    for cand in range(accum + 1, rows + 1):
+        saves = act * (1 - accum / cand)
+        if rows % cand == 0 and (saves >= over or cand == rows):
+            out.append(line(f"train.grad_accum: {accum} -> {cand}", saves,
+                            f"micro-batches of {rows // cand} sequences"))
+            break
+    if mc.remat == "none":
+        saved = est.activations * (1 - 1 / 6)
+        out.append(line("model.remat: none -> full", saved, "recomputes each layer (~1/3 more compute)"))
+    static = est.params + est.grads + est.optimizer + est.reference + est.casts
+    fsdp = mesh_sizes["fsdp"]
+    n = math.prod(mesh_sizes.values())
+    out.append(line(f"mesh.ici.fsdp: {fsdp} -> {2 * fsdp} ({2 * n} devices)", static / 2,
+                    "parameters, gradients and optimizer state are split twice as far"))
+    if is_rl(cfg) and cfg.rollout.placement == "colocated" and est.rollout:
+        r = cfg.rollout
+        if r.engine == "vllm":
+            g = cfg.grpo
+            engines = max(1, n // r.tensor_parallel_size)
+            need = est.rollout_weights + g.prompts_per_step * g.group_size / engines * \
+                cfg.data.seq_len * 2 * mc.num_hidden_layers * mc.num_key_value_heads * \
+                mc.head_dim * 2 / r.tensor_parallel_size
+            lowest = max(0.05, math.ceil(need / hbm * 100) / 100)
+            if lowest < r.gpu_memory_utilization:
+                out.append(line(f"rollout.gpu_memory_utilization: {r.gpu_memory_utilization} -> "
+                                f"{lowest}", (r.gpu_memory_utilization - lowest) * hbm,
+                                "still holds every sequence of a step at once"))
+        out.append(line("rollout.placement: colocated -> disaggregated", est.rollout,
+                        "rollout on devices of its own"))
+    return out
+
+
+# ---- ahead-of-time compile ---------------------------------------------------------------------
+def target_devices(topology: str | None, devices: int | None):
+    import jax
+
+    if topology:
+        from jax.experimental import topologies
+
+        name = TPU_TOPOLOGIES.get(topology, topology)
+        try:
+            topo = topologies.get_topology_desc(topology_name=name, platform="tpu")
+        except Exception as e:  # noqa: BLE001 - libtpu missing or unknown topology
+            raise UserError(f"--topology {topology}: libtpu cannot describe it ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:200]})") from None
+        return list(topo.devices)
+    have = jax.devices()
+    if devices is not None and len(have) < devices:
+        raise UserError(f"--devices {devices}: only {len(have)} devices visible (set before JAX starts)")
+    return have[:devices] if devices else have
+
+
+def compile_train_step(cfg, mc, devices) -> dict:
+    """Lower and compile the recipe's real train step for `devices`; XLA's per-device bytes."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from posttrain.models.transformer import CausalLM
+    from posttrain.sharding import batch_sharding, make_mesh, state_shardings, use_mesh
+    from posttrain.train.optimizer import lr_schedule, make_optimizer, opt_state_shardings
+    from posttrain.train.step import TrainState, make_train_step, next_token_loss
+
+    if cfg.model.lora.rank:
+        raise UserError("plan: the AOT compile does not cover LoRA recipes yet (the analytical "
+                        "estimate above does)")
+    mesh = make_mesh(cfg.mesh, devices)
+    rules = cfg.mesh.rules
+    t0 = time.perf_counter()
+    with use_mesh(mesh, rules):
+        abstract = nnx.eval_shape(lambda: CausalLM(mc, nnx.Rngs(0)))
+        graphdef, params = nnx.split(abstract, nnx.Param)
+        p_sh = state_shardings(params, mesh, rules)
+        params = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+                              params, p_sh)
+        steps = cfg.train.steps
+        if is_rl(cfg):
+            from posttrain.pipeline import make_loss_fn
+
+            loss_fn, steps = make_loss_fn(cfg), steps * cfg.grpo.mu * cfg.grpo.mini_batches
+        else:
+            loss_fn = next_token_loss
+        optimizer = make_optimizer(cfg.optimizer, steps)
+        opt = jax.eval_shape(optimizer.init, params)
+        opt = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), opt,
+                           opt_state_shardings(opt, params))
+        rep = NamedSharding(mesh, PartitionSpec())
+        state = TrainState(params, nnx.State({}), opt,
+                           jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+                           jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep))
+        rows, tl = rows_per_update(cfg), cfg.data.seq_len
+        b2, b1 = batch_sharding(mesh, rules, 2), batch_sharding(mesh, rules, 1)
+        batch = {k: jax.ShapeDtypeStruct((rows, tl), dt, sharding=b2) for k, dt in (
+            ("tokens", jnp.int32), ("targets", jnp.int32), ("positions", jnp.int32),
+            ("segment_ids", jnp.int32), ("loss_mask", jnp.float32))}
+        if is_rl(cfg):
+            batch.update({k: jax.ShapeDtypeStruct((rows, tl), jnp.float32, sharding=b2)
+                          for k in ("logp_old", "logp_rollout")})
+            batch["advantages"] = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=b1)
+            if cfg.grpo.beta > 0:
+                batch["logp_ref"] = jax.ShapeDtypeStruct((rows, tl), jnp.float32, sharding=b2)
+        state_sh = jax.tree.map(lambda x: x.sharding, state)
+        step = jax.jit(make_train_step(graphdef, optimizer, loss_fn, cfg.train.grad_accum,
+                                       lr_schedule(cfg.optimizer, steps)),
+                       donate_argnums=0, out_shardings=(state_sh, None))
+        lowered = step.lower(state, batch)
+        t_lower = time.perf_counter() - t0
+        compiled = lowered.compile()
+    m = compiled.memory_analysis()
+    total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+             + m.temp_size_in_bytes)
+    return {"platform": devices[0].platform, "devices": len(devices),
+            "device_kind": getattr(devices[0], "device_kind", ""),
+            "arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
+            "aliased": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
+            "code": m.generated_code_size_in_bytes, "total": total,
+            "lower_s": t_lower, "compile_s": time.perf_counter() - t0 - t_lower}
+
+
+# ---- the report ---------------------------------------------------------------------------------
+def plan_stage(cfg, *, n_devices: int, accelerator: str, devices=None) -> dict:
+    from posttrain.config import mesh_shape
+
+    mc = model_config_for_plan(cfg)
+    sizes = mesh_shape(cfg.mesh, n_devices)
+    label, hbm = ACCELERATORS[accelerator]
+    est = estimate(cfg, mc, sizes, hbm)
+    out = {"stage": cfg.name, "algorithm": cfg.algorithm, "mesh": sizes, "accelerator": label,
+           "hbm": hbm, "estimate": est, "advice": advice(cfg, mc, est, hbm, sizes), "model": mc}
+    if devices is not None:
+        out["xla"] = compile_train_step(cfg, mc, devices)
+    return out
+
+
+def print_report(r: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    est, mc = r["estimate"], r["model"]
+    mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1) or "1 device"
+    table = Table(title=f"{r['stage']} ({r['algorithm']}): {mc.arch}, "
+                  f"{mc.num_hidden_layers} layers; mesh {mesh}; {r['accelerator']}")
+    table.add_column("per device")
+    table.add_column("GB", justify="right")
+    for name, b in est.rows():
+        if b:
+            table.add_row(name, f"{b / GB:.2f}")
+    table.add_row("trainer total", f"{est.trainer / GB:.2f}", style="bold")
+    if est.rollout:
+        table.add_row("+ colocated rollout", f"{(est.trainer + est.rollout) / GB:.2f}", style="bold")
+    x = r.get("xla")
+    if x:
+        table.add_row(f"XLA ({x['platform']}, {x['devices']} devices): arguments",
+                      f"{x['arguments'] / GB:.2f}")
+        table.add_row("XLA: temporaries", f"{x['temp'] / GB:.2f}")
+        table.add_row("XLA: outputs not aliased to inputs",
+                      f"{(x['outputs'] - x['aliased']) / GB:.2f}")
+        table.add_row("XLA total (train step)", f"{x['total'] / GB:.2f}", style="bold")
+    console.print(table)
+    for note in est.notes:
+        console.print(f"note: {note}")
+    if x:
+        ratio = est.trainer / max(x["total"], 1)
+        console.print(f"analytical trainer estimate / XLA = {ratio:.2f} "
+                      f"(lowered in {x['lower_s']:.1f} s, compiled in {x['compile_s']:.1f} s)")
+    if r["advice"]:
+        console.print(f"[bold red]{r['advice'][0]}[/]")
+        for a in r["advice"][1:]:
+            console.print(f"  change: {a}")
+    else:
+        budget = USABLE * r["hbm"]
+        console.print(f"[green]fits[/]: {(est.trainer + est.rollout) / GB:.1f} GB of "
+                      f"{budget / GB:.1f} GB usable per device")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="per-device memory and sharding plan of a recipe, before hardware")
+    p.add_argument("recipe")
+    p.add_argument("--devices", type=int, help="devices to plan for (GPU/CPU); default: the mesh's")
+    p.add_argument("--topology", help="TPU slice to compile for, e.g. v5p-64 or v5p:2x4x4")
+    p.add_argument("--accelerator", choices=sorted(ACCELERATORS),
+                   help="device memory to fit (default: from --topology, else h100)")
+    p.add_argument("--no-compile", action="store_true", help="analytical estimate only")
+    p.add_argument("--json", action="store_true", help="one JSON object per stage on stdout")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="key=value")
+    p.set_defaults(fn=_cmd_plan, early=_prepare_devices)
+
+
+def _topology_devices(topology: str) -> int:
+    name = TPU_TOPOLOGIES.get(topology, topology)
+    dims = name.split(":")[-1].split("x")
+    return math.prod(int(d) for d in dims)
+
+
+def libtpu_path() -> str | None:
+    """libtpu for compiling against a TPU topology: TPU_LIBRARY_PATH, an importable libtpu (a
+    TPU VM), or the private copy in $prefix/libtpu."""
+    import importlib.util
+    import os
+    import sys
+    from pathlib import Path
+
+    if os.environ.get("TPU_LIBRARY_PATH"):
+        return os.environ["TPU_LIBRARY_PATH"]
+    if importlib.util.find_spec("libtpu") is not None:
+        return "libtpu"
+    private = Path(sys.prefix) / "libtpu" / "libtpu" / "libtpu.so"
+    return str(private) if private.is_file() else None
+
+
+def _prepare_devices(args) -> None:
+    """Before JAX starts: libtpu for TPU topologies, a CPU mesh of the planned size for GPUs."""
+    import os
+
+    if args.topology and not args.no_compile:
+        path = libtpu_path()
+        if path is None:
+            raise UserError(f"--topology: libtpu is not installed; pip install --no-deps --target "
+                            f"\"$VIRTUAL_ENV/libtpu\" {LIBTPU}  (or --no-compile)")
+        if path != "libtpu":
+            os.environ["TPU_LIBRARY_PATH"] = path
+        return
+    if args.topology or args.no_compile:
+        return
+    n = args.devices or _devices_from_recipe(args)
+    if n and n > 1:
+        flags = os.environ.get("XLA_FLAGS", "")
+        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def _devices_from_recipe(args) -> int | None:
+    from posttrain.config import load_recipe
+
+    stages = load_recipe(args.recipe, args.overrides)
+    ici, dcn = stages[-1].mesh.ici.model_dump(), stages[-1].mesh.dcn.model_dump()
+    if any(v == -1 for v in ici.values()):
+        return None
+    return math.prod(ici.values()) * math.prod(dcn.values())
+
+
+def _cmd_plan(args) -> int:
+    from posttrain.config import load_recipe
+
+    stages = load_recipe(args.recipe, args.overrides)
+    if args.topology:
+        accel = args.accelerator or re.split(r"[-:]", args.topology)[0]
+        if accel not in ACCELERATORS:
+            raise UserError(f"--topology {args.topology}: unknown accelerator {accel!r}; "
+                            f"pass --accelerator")
+        n = _topology_devices(args.topology)
+    else:
+        accel = args.accelerator or stages[-1].plan.accelerator
+        n = args.devices or _devices_from_recipe(args)
+        if n is None:
+            raise UserError("--devices: required when the recipe's mesh has a -1 axis")
+    devices = None if args.no_compile else target_devices(args.topology, n)
+    fits = True
+    for cfg in stages:
+        r = plan_stage(cfg, n_devices=n, accelerator=accel, devices=devices)
+        if args.json:
+            print(json.dumps(as_json(r)))
+        else:
+            print_report(r)
+        fits = fits and not r["advice"]
+    return 0 if fits else 1  # 1: does not fit (the advice says what to change)
+
+
+def as_json(r: dict) -> dict:
+    est = r["estimate"]
+    return {"stage": r["stage"], "mesh": r["mesh"], "accelerator": r["accelerator"],
+            "estimate": dict(est.rows()), "trainer_total": est.trainer,
+            "total": est.trainer + est.rollout, "usable": USABLE * r["hbm"],
+            "fits": not r["advice"], "advice": r["advice"], "notes": est.notes,
+            "xla": r.get("xla")}
