@@ -86,6 +86,20 @@ def copy_assets(src: Path | None, out: Path) -> None:
 
 
 # ---- Orbax: lazy writes, per-array reads ---------------------------------------------------
+def release_free_memory() -> None:
+    """Hand freed heap back to the OS after each tensor (glibc keeps it per thread arena
+    otherwise, and the next tensor's buffers land elsewhere): peak RSS then tracks live data."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+CHUNK_BYTES = 32 * 1024**2  # storage chunk of unsharded arrays (with --mesh: the shard)
+
+
 class LazyArray:
     """A to-be-written array: shape and dtype now, values from `load()` when Orbax writes it."""
 
@@ -115,7 +129,8 @@ def _register_lazy_handler() -> None:
             super().__init__(deepcopy_host_arrays=False)
 
         async def serialize(self, values, infos, args=None):
-            args = args or [ocp.SaveArgs()] * len(values)
+            # bounded chunks: TensorStore encodes chunk by chunk, so its buffers stay small
+            args = [ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES)] * len(values)
 
             async def write_all():
                 for value, info, arg in zip(values, infos, args):
@@ -127,6 +142,7 @@ def _register_lazy_handler() -> None:
                         use_ocdbt=info.is_ocdbt_checkpoint, process_index=0)
                     await self._open_and_write(arr, spec.json, info.ts_context)
                     del arr
+                    release_free_memory()
 
             return [ocp.future.CommitFutureAwaitingContractedSignals(write_all(), name="lazy")]
 
@@ -141,7 +157,8 @@ def save_orbax(out: Path, params: dict[str, LazyArray], meta: dict, step: int = 
     manager = ocp.CheckpointManager(out, item_names=("params", "meta"),
                                     options=ocp.CheckpointManagerOptions(
                                         enable_async_checkpointing=False))
-    manager.save(step, args=ocp.args.Composite(params=ocp.args.PyTreeSave(params),
+    manager.save(step, args=ocp.args.Composite(params=ocp.args.PyTreeSave(
+        params, ocdbt_target_data_file_size=CHUNK_BYTES),
                                                meta=ocp.args.JsonSave(meta)))
     manager.wait_until_finished()
     manager.close()
@@ -236,9 +253,11 @@ def hf_to_orbax(src, dst, *, dtype: str | None = None, scan_layers: bool = False
     for path, (names, transpose, stack) in our_tensors(cfg).items():
         shape = hf_shape(cfg, names[0])
         shape = stack + (shape[::-1] if transpose else shape)
+        # the reader builds transposes directly (no second full-size copy)
         params[_key(path)] = LazyArray(shape, cast or reader.dtype(names[0]),
-                                       partial(build_param, names, transpose, stack,
-                                               reader.get, cast), chunks.get(path))
+                                       partial(build_param, names, False, stack,
+                                               partial(reader.get, transpose=transpose), cast),
+                                       chunks.get(path))
     hf_cfg = read_hf_config(src)
     meta = {"model_config": cfg.model_dump(mode="json"), "step": 0, "lora": {},
             "hf_config": hf_cfg, "converted_from": str(src)}
@@ -277,6 +296,8 @@ def orbax_to_hf(src, dst, *, dtype: str | None = None, verify: bool = False) -> 
             arr = canonical_param(read, keys, "/".join(map(str, path)), scale)
             arr = arr.T if transpose else arr
             yield name, arr if cast is None else arr.astype(cast)
+            del arr
+            release_free_memory()
 
     specs = [(n, hf_shape(cfg, n), cast or stored_dtype(our_path(cfg, n)[0]))
              for n in hf_tensor_names(cfg)]

@@ -124,7 +124,7 @@ def build_param(names: list[str], transpose: bool, stack: tuple[int, ...],
         return arr if dtype is None else arr.astype(dtype, copy=False)
 
     if not stack:
-        return np.ascontiguousarray(one(names[0]))
+        return one(names[0])  # possibly a transposed view: writers copy it in bounded slabs
     first = one(names[0])
     out = np.empty(stack + first.shape, first.dtype)
     rows = out.reshape((-1,) + first.shape)

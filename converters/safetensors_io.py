@@ -91,7 +91,9 @@ class SafetensorsReader:
             raise UserError(f"{self.file(name)}: tensor {name} has unsupported dtype {code}")
         return DTYPES[code]
 
-    def get(self, name: str) -> np.ndarray:
+    def get(self, name: str, transpose: bool = False) -> np.ndarray:
+        """The tensor (copied out of the file); with `transpose`, its transpose built directly
+        (read in slabs of rows, so the peak is the result plus one slab)."""
         shard, info, start = self.entries.get(name, (None, None, None))
         if shard is None:
             raise UserError(f"{self.path}: tensor {name} is missing")
@@ -101,13 +103,39 @@ class SafetensorsReader:
         if end - begin != count * dtype.itemsize:
             raise UserError(f"{self.file(name)}: tensor {name}: {end - begin} bytes stored for "
                             f"shape {shape} {dtype}")
-        arr = np.fromfile(self.path / shard, dtype=dtype, count=count, offset=start + begin)
-        return arr.reshape(shape)
+        file, offset = self.path / shard, start + begin
+        if not transpose or len(shape) < 2:
+            arr = np.fromfile(file, dtype=dtype, count=count, offset=offset).reshape(shape)
+            return arr.T if transpose else arr
+        rows, inner = shape[0], int(np.prod(shape[1:]))
+        out = np.empty(shape[::-1], dtype)
+        step = max(1, SLAB_BYTES // max(inner * dtype.itemsize, 1))
+        for i in range(0, rows, step):
+            n = min(step, rows - i)
+            slab = np.fromfile(file, dtype=dtype, count=n * inner,
+                               offset=offset + i * inner * dtype.itemsize).reshape((n,) + shape[1:])
+            out[..., i:i + n] = slab.T
+        return out
 
     def _info(self, name: str) -> dict:
         if name not in self.entries:
             raise UserError(f"{self.path}: tensor {name} is missing")
         return self.entries[name][1]
+
+
+SLAB_BYTES = 32 * 1024**2
+
+
+def write_slabs(f, arr: np.ndarray, slab_bytes: int = SLAB_BYTES) -> None:
+    """Write `arr` in C order; a non-contiguous array (a transposed view) is copied one slab of
+    leading-axis rows at a time, so the extra memory is one slab, not the tensor."""
+    if arr.flags.c_contiguous or arr.ndim == 0:
+        np.ascontiguousarray(arr).tofile(f)
+        return
+    row = max(1, arr.nbytes // max(arr.shape[0], 1))
+    step = max(1, slab_bytes // row)
+    for i in range(0, arr.shape[0], step):
+        np.ascontiguousarray(arr[i:i + step]).tofile(f)
 
 
 def plan_shards(specs: list[tuple[str, tuple[int, ...], np.dtype]],
@@ -152,7 +180,7 @@ def write_sharded(out: Path, specs: list[tuple[str, tuple[int, ...], np.dtype]],
                 if got_name != name or arr.shape != shape or arr.dtype != dtype:
                     raise AssertionError(f"writer expected {name} {shape} {dtype}, "
                                          f"got {got_name} {arr.shape} {arr.dtype}")
-                np.ascontiguousarray(arr).tofile(f)
+                write_slabs(f, arr)
                 weight_map[name] = fname
                 total += arr.nbytes
                 del arr

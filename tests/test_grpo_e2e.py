@@ -17,6 +17,7 @@ BASE = ["data.generated.max_operand=9", "stages.0.train.steps=150", "tracking.wa
 GRPO = BASE + ["stages.1.train.steps=16", "stages.1.eval.every=0", "stages.1.eval.num_problems=20",
                "stages.1.optimizer.learning_rate=1e-4", "stages.1.checkpoint.every=4",
                "stages.1.grpo.prompts_per_step=8", "stages.1.grpo.group_size=8"]
+RESUME = GRPO + ["stages.1.train.steps=8"]  # killed after checkpoint 4, resumed to 8
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def test_grpo_tiny_learns(base, tmp_path, engine, placement):
 @pytest.mark.slow
 def test_grpo_resume_is_exact(base, tmp_path):
     a = with_base(base, tmp_path / "a")
-    run(RECIPE, a, GRPO)
+    run(RECIPE, a, RESUME)
     b = with_base(base, tmp_path / "b")
     _kill_grpo_and_resume(b)
     assert_same_final_params(a / "grpo", b / "grpo")
@@ -74,14 +75,14 @@ def _kill_grpo_and_resume(run_dir):
 
     from tests.train.e2e import ROOT, cmd, env
 
-    p = subprocess.Popen(cmd(RECIPE, run_dir, GRPO), cwd=ROOT, env=env(),
+    p = subprocess.Popen(cmd(RECIPE, run_dir, RESUME), cwd=ROOT, env=env(),
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ck = run_dir / "grpo" / "checkpoints"
     deadline = time.time() + 600
-    while not (ck / "8").is_dir() and time.time() < deadline and p.poll() is None:
+    while not (ck / "4").is_dir() and time.time() < deadline and p.poll() is None:
         time.sleep(0.05)
     p.send_signal(signal.SIGKILL)
     p.wait()
     done = max(int(x.name) for x in ck.iterdir() if x.name.isdigit())
-    assert done < 16, "the run finished before it could be killed"
-    run(RECIPE, run_dir, GRPO)
+    assert done < 8, "the run finished before it could be killed"
+    run(RECIPE, run_dir, RESUME)

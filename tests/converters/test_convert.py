@@ -1,5 +1,6 @@
-"""`posttrain convert`: bitwise HF -> Orbax -> HF round trips, transformers/vLLM/PEFT loading of
-what we write, clear errors that leave nothing behind, and streaming memory."""
+"""`posttrain convert`: bitwise HF -> Orbax -> HF round trips, transformers/PEFT loading of what
+we write, clear errors that leave nothing behind, and streaming memory. (vLLM serving a converted
+directory: tests/rollout/test_engines.py::test_vllm_engine_greedy_logprobs_and_sync.)"""
 
 from __future__ import annotations
 
@@ -100,36 +101,6 @@ def test_verify_rejects_a_wrong_conversion(tmp_path):
 
 
 @pytest.mark.slow
-def test_vllm_loads_the_export_and_generates_what_transformers_does(tmp_path):
-    model, tok = save_tiny_model_with_tokenizer(tmp_path / "hf", "qwen3", tie=False)
-    assert convert("hf-to-orbax", tmp_path / "hf", tmp_path / "orbax", "--scan-layers") == 0
-    assert convert("orbax-to-hf", tmp_path / "orbax", tmp_path / "back") == 0
-    assert (tmp_path / "back" / "tokenizer.json").is_file()
-    prompts = [tok.encode("12+7="), tok.encode("what is 3*4? answer:")]
-    import torch
-
-    want = []
-    for p in prompts:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-        want.append(out[0, len(p):].tolist())
-    script = (
-        "import json, os, sys\n"
-        "os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'\n"
-        "from vllm import LLM, SamplingParams\n"
-        "llm = LLM(model=sys.argv[1], enforce_eager=True, max_model_len=128, dtype='float32')\n"
-        "sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)\n"
-        "outs = llm.generate([{'prompt_token_ids': p} for p in json.loads(sys.argv[2])], sp)\n"
-        "print('@@' + json.dumps([list(o.outputs[0].token_ids) for o in outs]))\n")
-    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "back"), json.dumps(prompts)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("@@")][0][2:])
-    assert got == want
-
-
-@pytest.mark.slow
 def test_lora_export_loads_in_peft_and_merges(tmp_path):
     import torch
     from peft import PeftModel
@@ -217,14 +188,15 @@ def test_existing_output_is_never_overwritten(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_peak_memory_is_about_two_tensors_plus_a_fixed_overhead(tmp_path):
-    from benchmarks.convert_memory import measure
+    """1.2 GB checkpoint, largest tensor 250 MB: peak RSS (VmHWM of a fresh process) below
+    2 x the largest tensor + 400 MB (imports ~216 MB, TensorStore's and the allocator's buffers)."""
+    from benchmarks.convert_memory import FIXED_OVERHEAD, measure
 
     r = measure(tmp_path)
     assert r["checkpoint_bytes"] > 1e9
     for direction in ("hf_to_orbax", "orbax_to_hf"):
-        overhead = r[f"tiny_{direction}"]
-        assert overhead < 1.0e9  # imports (jax, orbax, tensorstore): a few hundred MB
-        assert r[f"big_{direction}"] < 2 * r["largest_tensor_bytes"] + overhead, r
+        assert r[f"tiny_{direction}"] < FIXED_OVERHEAD  # the imports alone
+        assert r[f"big_{direction}"] < 2 * r["largest_tensor_bytes"] + FIXED_OVERHEAD, r
 
 
 @pytest.mark.parametrize("layout", [[], ["--scan-layers"], ["--scan-layers", "--mesh", "expert=4,fsdp=2"]],

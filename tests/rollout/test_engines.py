@@ -96,9 +96,17 @@ def test_jax_engine_serves_synced_weights(setup):
 
 
 @pytest.mark.slow
-def test_vllm_engine_greedy_logprobs_and_sync(setup):
+def test_vllm_engine_greedy_logprobs_and_sync(setup, tmp_path):
+    """vLLM serves the directory `posttrain convert orbax-to-hf` wrote after an HF -> Orbax -> HF
+    round trip (tokenizer and generation config carried along), and generates what transformers
+    does from the original."""
+    from posttrain.cli import main
+
     d, ref, tok, updated = setup
-    r = subprocess.run([sys.executable, "tests/rollout/vllm_check.py", str(d),
+    assert main(["convert", "hf-to-orbax", str(d), str(tmp_path / "orbax"), "--scan-layers"]) == 0
+    assert main(["convert", "orbax-to-hf", str(tmp_path / "orbax"), str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    r = subprocess.run([sys.executable, "tests/rollout/vllm_check.py", str(tmp_path / "hf"),
                         str(d / "updated" / "model.safetensors"), json.dumps(PROMPTS)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
