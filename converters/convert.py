@@ -278,7 +278,7 @@ def orbax_to_hf(src, dst, *, dtype: str | None = None, verify: bool = False) -> 
     from posttrain.models.config import ModelConfig
     from posttrain.train.checkpoint import canonical_param
 
-    ckpt_dir, step, meta, store = _open_checkpoint(src)
+    ckpt_dir, _, meta, store = _open_checkpoint(src)
     cfg = ModelConfig.model_validate(meta["model_config"])
     lora = meta.get("lora") or {}
     scale = lora["alpha"] / lora["rank"] if lora.get("rank") else None

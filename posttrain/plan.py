@@ -25,8 +25,6 @@ import re
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from posttrain.errors import UserError
 
 GB = 1e9
@@ -312,7 +310,11 @@ def compile_train_step(cfg, mc, devices) -> dict:
 
     from posttrain.models.transformer import CausalLM
     from posttrain.sharding import batch_sharding, make_mesh, state_shardings, use_mesh
-    from posttrain.train.optimizer import lr_schedule, make_optimizer, opt_state_shardings
+    from posttrain.train.optimizer import (
+        lr_schedule,
+        make_optimizer,
+        opt_state_shardings,
+    )
     from posttrain.train.step import TrainState, make_train_step, next_token_loss
 
     if cfg.model.lora.rank:

@@ -62,3 +62,25 @@ def save_tiny_model_with_tokenizer(path: Path, arch: str = "qwen3", seed: int = 
     model.generation_config.pad_token_id = tok.eos_token_id
     model.generation_config.save_pretrained(path)
     return model, tok
+
+
+def padded_batch(lengths: list[int], width: int, seed: int = 0, vocab: int = 256):
+    """Right-padded random token rows of the given lengths, and their attention mask."""
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((len(lengths), width), np.int64)
+    mask = np.zeros((len(lengths), width), np.int64)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = rng.integers(3, vocab, n)
+        mask[i, :n] = 1
+    return ids, mask
+
+
+def assert_padded_logits_match(ref, ours, lengths: list[int], width: int, tol: float, seed: int = 0):
+    """Our logits on a padded batch equal transformers' on every real (unpadded) position."""
+    import jax.numpy as jnp
+
+    ids, mask = padded_batch(lengths, width, seed)
+    want = torch_logits(ref, ids, mask)
+    got = np.asarray(ours(jnp.asarray(ids, jnp.int32), segment_ids_bt=jnp.asarray(mask, jnp.int32)))
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(got[i, :n], want[i, :n], atol=tol, rtol=0)

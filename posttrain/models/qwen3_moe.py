@@ -60,7 +60,7 @@ def experts_ragged(x_ne, weights_nk, ids_nk, g_xef, u_xef, d_xfe, first_expert=0
                    num_experts=None) -> jax.Array:
     """Assignments sorted by expert, grouped matmuls over the experts held here (ids
     first_expert .. +X): their rows are moved to the front, every other row comes out zero."""
-    n, k = ids_nk.shape
+    k = ids_nk.shape[1]
     x_local = g_xef.shape[0]
     flat = ids_nk.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert

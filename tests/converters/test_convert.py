@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +13,11 @@ import pytest
 
 from converters.safetensors_io import SafetensorsReader
 from posttrain.cli import main
-from tests.helpers import save_tiny_hf_model, save_tiny_model_with_tokenizer, torch_logits
+from tests.helpers import (
+    save_tiny_hf_model,
+    save_tiny_model_with_tokenizer,
+    torch_logits,
+)
 
 ARCHS = [("qwen3", dict(tie=True)), ("qwen3", dict(tie=False, kv=1)),
          ("llama3", dict(tie=False, rope_scaling=True))]

@@ -17,7 +17,7 @@ from posttrain.config import DEFAULT_RULES, MeshAxes, MeshSection
 from posttrain.models import ModelConfig, from_pretrained
 from posttrain.sharding import batch_sharding, make_mesh, state_shardings, use_mesh
 from posttrain.train.step import next_token_loss
-from tests.helpers import torch_logits
+from tests.helpers import assert_padded_logits_match, padded_batch
 
 TOL = 1e-4
 CASES = [dict(experts=4, top_k=2, norm=True), dict(experts=8, top_k=1, norm=False),
@@ -53,26 +53,11 @@ def pair(request, tmp_path_factory):
     return save_tiny_moe(path, **request.param), path
 
 
-def padded_batch(seed=0):
-    rng = np.random.default_rng(seed)
-    lengths = [29, 17, 6]
-    ids = np.zeros((3, 32), np.int64)
-    mask = np.zeros((3, 32), np.int64)
-    for i, n in enumerate(lengths):
-        ids[i, :n] = rng.integers(3, 256, n)
-        mask[i, :n] = 1
-    return ids, mask, lengths
-
-
 @pytest.mark.parametrize("impl,scan", [("ragged", True), ("dense", True), ("ragged", False)])
 def test_logits_match_transformers(pair, impl, scan):
     ref, path = pair
     ours = from_pretrained(path, scan_layers=scan, moe_impl=impl)
-    ids, mask, lengths = padded_batch()
-    want = torch_logits(ref, ids, mask)
-    got = np.asarray(ours(jnp.asarray(ids, jnp.int32), segment_ids_bt=jnp.asarray(mask, jnp.int32)))
-    for i, n in enumerate(lengths):
-        np.testing.assert_allclose(got[i, :n], want[i, :n], atol=TOL, rtol=0)
+    assert_padded_logits_match(ref, ours, [29, 17, 6], 32, TOL)
 
 
 def test_load_balancing_loss_matches_transformers(pair):
@@ -80,7 +65,7 @@ def test_load_balancing_loss_matches_transformers(pair):
 
     ref, path = pair
     ours = from_pretrained(path)
-    ids, mask, _ = padded_batch(1)
+    ids, mask = padded_batch([29, 17, 6], 32, seed=1)
     with torch.no_grad():
         out = ref(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
                   output_router_logits=True)

@@ -7,9 +7,10 @@ ATen matmul blocking; observed differences are ~1e-6 on logits of magnitude ~1.
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from posttrain.models import KVCache, from_pretrained
-from tests.helpers import save_tiny_hf_model, torch_logits
+from tests.helpers import assert_padded_logits_match, save_tiny_hf_model, torch_logits
 
 TOL = 1e-4
 CASES = [
@@ -34,17 +35,7 @@ def pair(request, tmp_path_factory):
 def test_padded_batch_matches_transformers(pair, scan):
     ref, path = pair
     ours = from_pretrained(path, scan_layers=scan)
-    rng = np.random.default_rng(0)
-    lengths = [37, 20, 5]
-    ids = np.zeros((3, 40), np.int64)
-    mask = np.zeros((3, 40), np.int64)
-    for i, n in enumerate(lengths):
-        ids[i, :n] = rng.integers(3, 256, n)
-        mask[i, :n] = 1
-    want = torch_logits(ref, ids, mask)
-    got = np.asarray(ours(jnp.asarray(ids, jnp.int32), segment_ids_bt=jnp.asarray(mask, jnp.int32)))
-    for i, n in enumerate(lengths):
-        np.testing.assert_allclose(got[i, :n], want[i, :n], atol=TOL, rtol=0)
+    assert_padded_logits_match(ref, ours, [37, 20, 5], 40, TOL)
 
 
 def test_packed_row_matches_each_segment_alone(pair):
@@ -80,11 +71,11 @@ def test_kv_cache_decode_matches_full_forward(pair):
                          jnp.asarray(seg), cache=cache)
     for i, n in enumerate(prompt_len):
         np.testing.assert_allclose(np.asarray(logits)[i, :n], want[i, :n], atol=TOL, rtol=0)
-    # Decode: row i is at position prompt_len[i] + step.
+    # Decode: row i is at position prompt_len[i] + step (one compiled step, as engines run it).
+    decode = nnx.jit(lambda m, tok, pos, c: m(tok, pos, jnp.ones((2, 1), jnp.int32), cache=c))
     for step in range(24 - t0):
         pos = (prompt_len + step)[:, None].astype(np.int32)
         tok = full[np.arange(2)[:, None], pos]
-        logits, cache = ours(jnp.asarray(tok), jnp.asarray(pos), jnp.ones((2, 1), jnp.int32),
-                             cache=cache)
+        logits, cache = decode(ours, jnp.asarray(tok), jnp.asarray(pos), cache)
         for i in range(2):
             np.testing.assert_allclose(np.asarray(logits)[i, 0], want[i, pos[i, 0]], atol=TOL, rtol=0)
