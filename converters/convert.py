@@ -292,7 +292,7 @@ def orbax_to_hf(src, dst, *, dtype: str | None = None, verify: bool = False) -> 
     def tensors():
         for name in hf_tensor_names(cfg):
             path, index, transpose = our_path(cfg, name)
-            read = partial(_read_index, store, index=index) if index else store.read
+            read = partial(store.read, index=index) if index else store.read
             arr = canonical_param(read, keys, "/".join(map(str, path)), scale)
             arr = arr.T if transpose else arr
             yield name, arr if cast is None else arr.astype(cast)
@@ -313,10 +313,6 @@ def orbax_to_hf(src, dst, *, dtype: str | None = None, verify: bool = False) -> 
             compare_logits(load_model_from_checkpoint(src, param_dtype="float32",
                                                       compute_dtype="float32"), tmp)
     return Path(dst)
-
-
-def _read_index(store: OrbaxParams, key: str, index: tuple[int, ...]) -> np.ndarray:
-    return store.read(key, index)
 
 
 def _assets_dir(ckpt_dir: Path) -> Path | None:

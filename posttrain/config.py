@@ -52,6 +52,12 @@ class ModelSection(Strict):
     quantization: Literal["none", "int8"] = "none"
     lora: LoraConfig = LoraConfig()
 
+    def switches(self) -> dict:
+        """The implementation switches a ModelConfig takes from the recipe. LoRA needs unrolled
+        layers (qwix attaches adapters to each layer object on first call)."""
+        return {"scan_layers": self.scan_layers and not self.lora.rank, "remat": self.remat,
+                "param_dtype": self.param_dtype, "compute_dtype": self.compute_dtype}
+
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSection":
         if self.preset is not None and self.preset not in PRESETS:

@@ -66,6 +66,7 @@ class Estimate:
     batch: float = 0.0
     rollout_weights: float = 0.0
     rollout_kv: float = 0.0
+    vllm_needed: float = 0.0  # vLLM weights + every sequence of a step in its KV cache at once
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -96,8 +97,7 @@ def model_config_for_plan(cfg):
     from posttrain.models.config import ModelConfig
 
     m = cfg.model
-    switches = dict(scan_layers=m.scan_layers and not m.lora.rank, remat=m.remat,
-                    param_dtype=m.param_dtype, compute_dtype=m.compute_dtype)
+    switches = m.switches()
     if m.path and (Path(m.path) / "config.json").is_file():
         from converters.loading import hf_model_config
 
@@ -216,13 +216,14 @@ def estimate(cfg, mc, mesh_sizes: dict[str, int], hbm: float) -> Estimate:
             seqs = g.prompts_per_step * g.group_size / engines
             kv = (2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * rb
                   / r.tensor_parallel_size)
-            est.rollout_kv = seqs * t * kv
+            kv_all = seqs * t * kv
+            est.vllm_needed = est.rollout_weights + kv_all
             budget = r.gpu_memory_utilization * hbm
             est.notes.append(
                 f"vLLM reserves gpu_memory_utilization x memory = {budget / GB:.1f} GB per device "
                 f"for its weights ({est.rollout_weights / GB:.1f} GB) and KV cache (all "
                 f"{g.prompts_per_step * g.group_size} sequences at once need "
-                f"{est.rollout_kv / GB:.1f} GB; vLLM queues what does not fit)")
+                f"{kv_all / GB:.1f} GB; vLLM queues what does not fit)")
             est.rollout_kv = max(0.0, budget - est.rollout_weights)
         else:
             est.rollout_weights = pbytes  # the colocated JAX engine copies the (sharded) weights
@@ -266,12 +267,7 @@ def advice(cfg, mc, est: Estimate, hbm: float, mesh_sizes: dict[str, int]) -> li
     if is_rl(cfg) and cfg.rollout.placement == "colocated" and est.rollout:
         r = cfg.rollout
         if r.engine == "vllm":
-            g = cfg.grpo
-            engines = max(1, n // r.tensor_parallel_size)
-            need = est.rollout_weights + g.prompts_per_step * g.group_size / engines * \
-                cfg.data.seq_len * 2 * mc.num_hidden_layers * mc.num_key_value_heads * \
-                mc.head_dim * 2 / r.tensor_parallel_size
-            lowest = max(0.05, math.ceil(need / hbm * 100) / 100)
+            lowest = max(0.05, math.ceil(est.vllm_needed / hbm * 100) / 100)
             if lowest < r.gpu_memory_utilization:
                 out.append(line(f"rollout.gpu_memory_utilization: {r.gpu_memory_utilization} -> "
                                 f"{lowest}", (r.gpu_memory_utilization - lowest) * hbm,

@@ -63,9 +63,7 @@ def prepare_tokenizer(cfg: RunConfig, run_dir: Path):
 
 def resolve_model_config(cfg: RunConfig, tokenizer) -> ModelConfig:
     m = cfg.model
-    # qwix attaches LoRA params to each layer object on first call, which needs unrolled layers.
-    switches = dict(scan_layers=m.scan_layers and not m.lora.rank, remat=m.remat, param_dtype=m.param_dtype,
-                    compute_dtype=m.compute_dtype)
+    switches = m.switches()
     if m.path is not None:
         p = resolve_model_path(m.path)
         if (p / "config.json").is_file():
