@@ -1,12 +1,18 @@
 """Seconds per GRPO step: ours vs TRL's GRPOTrainer, side by side on the reference workload.
 
-    python -m benchmarks.grpo_step [--steps 12] [--rounds 2]
+    python -m benchmarks.grpo_step [--steps 12] [--rounds 2] [--variants colocated,disaggregated,...]
 
 Workload (ENVIRONMENT.md): the 3.3M-parameter Qwen3-architecture model (random weights, so every
 completion runs to the 64-token limit on both sides), 8 prompts x 8 completions, at most 64 new
 tokens, one update per batch, beta = 0, fp32, the same arithmetic prompts and the same
 correctness reward. Both run as separate processes, alternating; we report the median step after
 warm-up and our phase split (rollout, reward, logprob, update, sync).
+
+Variants of ours: `colocated` (the JAX engine in the trainer's process, the default),
+`colocated_async` (async.off_policy_steps 1: batch k+1 generated in a thread while batch k
+trains), `disaggregated` (one JAX engine as a Ray actor in its own process) and
+`disaggregated_async`. On these 2 cores every variant shares the same two cores, so overlap can
+only help as far as one side leaves cores idle.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ RECIPE = """
 name: bench_grpo
 algorithm: grpo
 run_dir: {run_dir}
-model: {{path: {model}}}
+model: {{path: {model}, scan_layers: false}}
 data: {{source: generated, format: prompt_completion, seq_len: 128}}
 optimizer: {{learning_rate: 1.0e-5, schedule: constant}}
 train: {{steps: {steps}, log_every: 100}}
@@ -38,7 +44,16 @@ rewards:
 eval: {{every: 100000, num_problems: 8}}
 checkpoint: {{every: 0}}
 tracking: {{console: false, wandb: {{enabled: false}}}}
+{extra}
 """
+
+VARIANTS = {
+    "colocated": "",
+    "colocated_async": "async: {off_policy_steps: 1}",
+    "disaggregated": "rollout: {placement: disaggregated, num_workers: 1}",
+    "disaggregated_async": "rollout: {placement: disaggregated, num_workers: 1}\n"
+                           "async: {off_policy_steps: 1}",
+}
 
 TRL = r'''
 import json, sys, time, torch
@@ -72,18 +87,20 @@ print("@@" + json.dumps({"step_s": steps_t}))
 '''
 
 
-def ours(model_dir: Path, steps: int, work: Path) -> dict:
+def ours(model_dir: Path, steps: int, work: Path, variant: str = "colocated") -> dict:
     run_dir = work / f"ours_{os.getpid()}_{len(list(work.iterdir()))}"
     recipe = work / "bench_grpo.yaml"
-    recipe.write_text(RECIPE.format(run_dir=run_dir, model=model_dir, steps=steps))
+    recipe.write_text(RECIPE.format(run_dir=run_dir, model=model_dir, steps=steps,
+                                    extra=VARIANTS[variant]))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     subprocess.run([sys.executable, "-m", "posttrain.cli", "run", str(recipe)], cwd=ROOT, env=env,
                    check=True, capture_output=True)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r.get("time/step") is not None][WARMUP:]
-    phases = ["time/rollout", "time/reward", "time/logprob", "time/update", "time/sync"]
+    phases = ["time/rollout", "time/reward", "time/logprob", "time/update", "time/sync",
+              "time/rollout_wait"]
     return {"step_s": statistics.median(r["time/step"] for r in rows),
-            **{p: statistics.median(r[p] for r in rows) for p in phases}}
+            **{p: statistics.median(r[p] for r in rows) for p in phases if p in rows[0]}}
 
 
 def trl(model_dir: Path, steps: int) -> dict:
@@ -99,7 +116,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", default="colocated", help=f"comma-separated: {', '.join(VARIANTS)}")
     args = ap.parse_args()
+    variants = args.variants.split(",")
     sys.path.insert(0, str(ROOT))
     from benchmarks.common import matmul_peak_gflops
     from tests.helpers import save_tiny_model_with_tokenizer
@@ -109,26 +128,32 @@ def main():
     save_tiny_model_with_tokenizer(model_dir, "qwen3", hidden=256, inter=768, layers=4, heads=4,
                                    kv=2, head_dim=64)
     peak = matmul_peak_gflops()
-    res = {"ours": [], "trl": []}
+    res = {v: [] for v in variants} | {"trl": []}
     for _ in range(args.rounds):
-        res["ours"].append(ours(model_dir, args.steps, work))
+        for v in variants:
+            res[v].append(ours(model_dir, args.steps, work, v))
         res["trl"].append(trl(model_dir, args.steps))
-    o = min(res["ours"], key=lambda r: r["step_s"])
-    t = min(res["trl"], key=lambda r: r["step_s"])
-    # FLOPs of one step: 64 sequences x (<= ~20 prompt + 64 new) tokens; rollout forward
-    # (2 N per token), logprob forward (2 N) and update (6 N), N = matmul params.
+    best = {k: min(v, key=lambda r: r["step_s"]) for k, v in res.items()}
+    t = best["trl"]
+    # FLOPs of one step: 64 sequences x (<= ~20 prompt + 64 new) tokens; the rollout's forward
+    # (2 N per token) and the update (6 N; its forward also gives logp_old at mu = 1),
+    # N = matmul params.
     n_params = 3.28e6
     tokens = 64 * (20 + 64)
-    flops = tokens * n_params * (2 + 2 + 6)
+    flops = tokens * n_params * (2 + 6)
     print(f"matmul peak measured now: {peak:.0f} GFLOP/s (f32)")
-    print(f"{'':<22}{'s / step':>10}{'steps/s vs TRL':>16}")
-    print(f"{'TRL GRPOTrainer':<22}{t['step_s']:>10.3f}{1.0:>15.2f}x")
-    print(f"{'posttrain (jax, coloc)':<22}{o['step_s']:>10.3f}{t['step_s'] / o['step_s']:>15.2f}x")
-    print("our phases (median s): " + ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in o.items()
-                                                  if k.startswith("time/")))
-    print(f"step FLOPs ~{flops / 1e9:.1f} GFLOP -> {flops / o['step_s'] / 1e9:.0f} GFLOP/s "
-          f"= {flops / o['step_s'] / 1e9 / peak:.1%} of the measured peak")
-    print(f"vs the Tunix figure (1.19 s/step, ENVIRONMENT.md, idle machine): {1.19 / o['step_s']:.2f}x")
+    print(f"{'':<30}{'s / step':>10}{'steps/s vs TRL':>16}{'vs Tunix 1.19 s':>17}")
+    print(f"{'TRL GRPOTrainer':<30}{t['step_s']:>10.3f}{1.0:>15.2f}x")
+    for v in variants:
+        o = best[v]
+        print(f"{'posttrain ' + v:<30}{o['step_s']:>10.3f}{t['step_s'] / o['step_s']:>15.2f}x"
+              f"{1.19 / o['step_s']:>16.2f}x")
+    for v in variants:
+        o = best[v]
+        print(f"{v} phases (median s): " + ", ".join(
+            f"{k.split('/')[1]} {x:.3f}" for k, x in o.items() if k.startswith("time/")))
+        print(f"  step FLOPs ~{flops / 1e9:.1f} GFLOP -> {flops / o['step_s'] / 1e9:.0f} GFLOP/s "
+              f"= {flops / o['step_s'] / 1e9 / peak:.1%} of the measured peak")
     print("all rounds: " + json.dumps({k: [round(r['step_s'], 3) for r in v] for k, v in res.items()}))
 
 

@@ -38,13 +38,14 @@ if kind == "jax":
     from posttrain.models import from_pretrained
     from rollout.engine import SamplingParams
     from rollout.jax_engine import JaxEngine
-    eng = JaxEngine(from_pretrained(model_dir), None, eos_token_ids=[])
+    # unrolled layers, as the tiny recipes configure a 4-layer model (per-layer KV buffers)
+    eng = JaxEngine(from_pretrained(model_dir, scan_layers=False), None, eos_token_ids=[])
     eng.eos = [-5]  # no stop token: every row generates N tokens
     sp = SamplingParams(temperature=1.0, max_tokens=N, seed=0)
     tps = timed(lambda: sum(len(r.token_ids) for r in eng.generate(prompts, sp)))
     import jax
     from flax import nnx
-    st = nnx.state(from_pretrained(model_dir))
+    st = nnx.state(from_pretrained(model_dir, scan_layers=False))
     t0 = time.perf_counter(); eng.update_weights(st, 1); sync = time.perf_counter() - t0
 elif kind in ("vllm_ours", "vllm_raw"):
     from vllm import LLM, SamplingParams as VSP
@@ -94,6 +95,13 @@ def child(kind: str, model_dir: Path) -> dict:
 
 
 def main():
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kinds", default="jax,vllm_ours,vllm_raw,hf",
+                    help="comma-separated subset of jax,vllm_ours,vllm_raw,hf (vllm_raw is the reference)")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from tests.helpers import save_tiny_model_with_tokenizer
 
@@ -101,9 +109,11 @@ def main():
     # the reference model: hidden 256, 4 layers, 4 heads x 64, 2 KV heads, MLP 768, tied
     save_tiny_model_with_tokenizer(d, "qwen3", hidden=256, inter=768, layers=4, heads=4, kv=2,
                                    head_dim=64)
-    kinds = ["jax", "vllm_ours", "vllm_raw", "hf"]
+    kinds = args.kinds.split(",")
+    if "vllm_raw" not in kinds:
+        kinds.append("vllm_raw")
     res = {k: [] for k in kinds}
-    for _ in range(2):
+    for _ in range(args.rounds):
         for k in kinds:
             res[k].append(child(k, d))
     best = {k: max(x["tokens_per_s"] for x in v) for k, v in res.items()}

@@ -278,6 +278,12 @@ class PlanSection(Strict):
                          "cpu"] = Field("h100", description="device `posttrain plan` fits to")
 
 
+class AsyncSection(Strict):
+    off_policy_steps: int = Field(0, ge=0, le=1, description=(
+        "1: generate batch k+1 (with the weights of step k) while training on batch k; the "
+        "staleness is corrected by importance sampling (grpo.tis)"))
+
+
 class RayConfig(Strict):
     address: str | None = Field(None, description="join this cluster; default: start a local Ray")
 
@@ -298,12 +304,13 @@ class RunConfig(Strict):
     rewards: RewardsSection = RewardsSection()
     grpo: GRPOSection = GRPOSection()
     rollout: RolloutSection = RolloutSection()
+    async_: AsyncSection = Field(AsyncSection(), alias="async")  # `async` is a Python keyword
     eval: EvalSection = EvalSection()
     ray: RayConfig = RayConfig()
     plan: PlanSection = PlanSection()
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -363,7 +370,9 @@ def _valid_keys(model_cls: type[BaseModel], loc: tuple) -> list[str]:
     for part in loc:
         if isinstance(part, int):
             continue
-        field = cls.model_fields.get(part) if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+        fields = ({f.alias or n: f for n, f in cls.model_fields.items()}
+                  if isinstance(cls, type) and issubclass(cls, BaseModel) else {})
+        field = fields.get(part)
         if field is None:
             return []
         ann = field.annotation
@@ -373,7 +382,7 @@ def _valid_keys(model_cls: type[BaseModel], loc: tuple) -> list[str]:
                 ann = arg
         cls = ann
     if isinstance(cls, type) and issubclass(cls, BaseModel):
-        return list(cls.model_fields)
+        return [f.alias or n for n, f in cls.model_fields.items()]
     return []
 
 

@@ -10,18 +10,25 @@ One step, top to bottom:
      reward variance, up to `max_attempts`;
   3. the reward pool scores them (worker processes, timeouts, fallbacks);
   4. advantages per group; a padded [B, L] batch of prompt + completion tokens;
-  5. the trainer recomputes logp_old (and logp_ref when beta > 0) for the mismatch metrics and
-     truncated importance sampling, then runs `mu` passes of `mini_batches` updates;
+  5. the trainer computes logp_old (and logp_ref when beta > 0) for the ratio, the mismatch
+     metrics and truncated importance sampling, then runs `mu` passes of `mini_batches`
+     updates; with one update per batch logp_old comes from the update's own forward;
   6. the new weights go to every engine, which confirms the version;
   7. metrics (time split, rewards, clip fraction, entropy, lengths, mismatch) and checkpoints.
 Placement `colocated`: the engine runs in this process on the trainer's devices and receives
 weights in memory. `disaggregated`: `rollout.num_workers` engines are Ray actors, weights travel
-through Ray's object store.
+through Ray's object store. `async.off_policy_steps: 1` runs steps 1-3 for batch k+1 in a
+background thread while 5 trains on batch k (one policy version stale; truncated importance
+sampling against the engine's logprobs corrects it); the engine takes the new weights once that
+generation is done. A checkpoint records the data position before batch k+1, so a resumed async
+run regenerates that batch with the restored weights: no prompt skipped or repeated, but not
+bitwise the uninterrupted run (the synchronous mode is).
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -112,10 +119,19 @@ def reward_columns(rows: list[dict], group: int, rollouts) -> dict:
 
 
 # ---- the training batch ---------------------------------------------------------------------------
+def batch_length(rollouts, seq_len: int, bucket: int = 32) -> int:
+    """Rows are padded to the longest prompt + completion rounded up to `bucket` (at most
+    `seq_len`), not to `seq_len`: a batch of short completions trains on short rows, and at most
+    seq_len / bucket shapes ever compile."""
+    longest = max(len(r.prompt_token_ids) + len(r.token_ids) for r in rollouts)
+    return min(seq_len, -(-longest // bucket) * bucket)
+
+
 def build_batch(rollouts, advantages: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
-    """Rows = prompt + completion, right-padded; masks/logprobs sit on the positions that
-    *predict* each completion token (position t predicts token t+1)."""
+    """Rows = prompt + completion, right-padded to `batch_length`; masks/logprobs sit on the
+    positions that *predict* each completion token (position t predicts token t+1)."""
     b = len(rollouts)
+    seq_len = batch_length(rollouts, seq_len)
     tokens = np.zeros((b, seq_len), np.int32)
     seg = np.zeros((b, seq_len), np.int32)
     mask = np.zeros((b, seq_len), np.float32)
@@ -142,15 +158,22 @@ def make_loss_fn(cfg: RunConfig):
     clip_low, clip_high = g.clip
 
     def loss_fn(model, batch):
+        """Without `logp_old` in the batch (one update per batch: the policy that the ratio
+        compares against is the current one), pi_old = stop_gradient(pi): the separate
+        log-prob pass is folded into this forward, and the trainer's log-probs come back
+        per row (`rows/logp`) for the mismatch metrics."""
         logits, router = model(batch["tokens"], batch["positions"], batch["segment_ids"],
                                with_router_losses=True)
         logits = logits / g.temperature
         logp = token_logprobs(logits, batch["targets"])
+        logp_old = batch["logp_old"] if "logp_old" in batch else jax.lax.stop_gradient(logp)
         mask = batch["loss_mask"]
-        per_tok, aux = policy(logp, batch["logp_old"], batch["advantages"], mask, clip_low,
-                              clip_high, g.dual_clip)
-        per_tok = per_tok * G.truncated_is_weights(batch["logp_old"], batch["logp_rollout"], mask,
+        per_tok, aux = policy(logp, logp_old, batch["advantages"], mask, clip_low, clip_high,
+                              g.dual_clip)
+        per_tok = per_tok * G.truncated_is_weights(logp_old, batch["logp_rollout"], mask,
                                                    g.tis.level, g.tis.cap)
+        if "logp_old" not in batch:
+            aux["rows/logp"] = logp_old
         n_tok = jnp.maximum(mask.sum(), 1)
         if g.beta > 0:
             k = kl(logp, batch["logp_ref"])
@@ -302,6 +325,9 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                                           lr_schedule(cfg.optimizer, t.steps)),
                           donate_argnums=0, out_shardings=(state_sh, None))
         logprob_fn = make_logprob_fn(graphdef, g.temperature)
+        # One update per batch: pi_old is the policy being updated, computed in the update's
+        # own forward (a whole forward pass less per step).
+        fused_logprob = g.mu == 1 and g.mini_batches == 1
 
         prompts = PromptIterator(prompt_rows(cfg, "train"), cfg.data.shuffle_seed)
         eval_rows = prompt_rows(cfg, "eval", cfg.eval.num_problems)
@@ -322,29 +348,46 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
         if start:
             push([engine], nnx.state(model), model_cfg, start)
 
+        def produce(step: int) -> dict:
+            """Rollouts, rewards and the training batch of `step` (on the engine's current
+            weights); run in a background thread when `async.off_policy_steps` is 1."""
+            times: dict = {}
+            sp = SamplingParams(n=g.group_size, temperature=g.temperature, top_p=g.top_p,
+                                top_k=g.top_k, max_tokens=g.max_tokens, stop=tuple(g.stop),
+                                seed=cfg.seed * 1_000_003 + step * 101)
+            rollouts, all_rewards, adv_mask, scores, attempts = sample_groups(
+                cfg, engine, pool, prompts, tokenizer, sp, times)
+            adv = G.ADVANTAGES[g.advantage](all_rewards, g.group_size) * adv_mask
+            return {"rollouts": rollouts, "rewards": all_rewards, "adv_mask": adv_mask,
+                    "scores": scores, "attempts": attempts, "times": times,
+                    "batch": build_batch(rollouts, adv, cfg.data.seq_len)}
+
+        off_policy = cfg.async_.off_policy_steps > 0
+        executor = ThreadPoolExecutor(1, thread_name_prefix="rollout") if off_policy else None
         tracker = Tracker(cfg, run_dir, t.steps, start)
         last: dict = {}
         try:
             if start == 0:
                 m0 = evaluate(cfg, engine, tokenizer, pool, eval_rows)
                 tracker.log(0, m0)
+            t0 = time.perf_counter()  # a step's wall time runs from the previous step's log
+            job = produce(start) if start < t.steps else None
             for step in range(start, t.steps):
-                times = {}
-                t0 = time.perf_counter()
-                sp = SamplingParams(n=g.group_size, temperature=g.temperature, top_p=g.top_p,
-                                    top_k=g.top_k, max_tokens=g.max_tokens, stop=tuple(g.stop),
-                                    seed=cfg.seed * 1_000_003 + step * 101)
-                rollouts, all_rewards, adv_mask, last_scores, attempts = sample_groups(
-                    cfg, engine, pool, prompts, tokenizer, sp, times)
-                adv = G.ADVANTAGES[g.advantage](all_rewards, g.group_size) * adv_mask
-                batch = build_batch(rollouts, adv, cfg.data.seq_len)
+                rollouts, all_rewards, adv_mask = job["rollouts"], job["rewards"], job["adv_mask"]
+                last_scores, attempts, batch = job["scores"], job["attempts"], job["batch"]
+                times = dict(job["times"])
+                # Async: batch k+1 is generated (with the weights of step k) while this one trains.
+                data_state = prompts.state()  # before batch k+1 takes its prompts
+                pending = (executor.submit(produce, step + 1)
+                           if off_policy and step + 1 < t.steps else None)
 
                 tr = time.perf_counter()
                 dev = shard_batch(batch, mesh, cfg.mesh.rules)
-                dev["logp_old"] = logprob_fn(state.params, state.frozen, dev)
+                if not fused_logprob:
+                    dev["logp_old"] = logprob_fn(state.params, state.frozen, dev)
                 if ref_params is not None:
                     dev["logp_ref"] = logprob_fn(ref_params, state.frozen, dev)
-                logp_old = np.asarray(dev["logp_old"])
+                jax.block_until_ready(dev)
                 times["time/logprob"] = time.perf_counter() - tr
 
                 tr = time.perf_counter()
@@ -356,8 +399,14 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                         sub = jax.tree.map(lambda x: x[k * mb:(k + 1) * mb], dev)
                         state, m = step_fn(state, sub)
                         ms.append(m)
-                m = jax.tree.map(lambda *xs: float(np.mean(xs)), *jax.device_get(ms))
+                ms = jax.device_get(ms)
+                logp_old = ms[0].pop("rows/logp") if fused_logprob else np.asarray(dev["logp_old"])
+                m = jax.tree.map(lambda *xs: float(np.mean(xs)), *ms)
                 times["time/update"] = time.perf_counter() - tr
+                if pending is not None:  # the engine must be idle before it takes new weights
+                    tr = time.perf_counter()
+                    job = pending.result()
+                    times["time/rollout_wait"] = time.perf_counter() - tr
 
                 tr = time.perf_counter()
                 model = nnx.merge(graphdef, state.params, state.frozen)
@@ -378,13 +427,18 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                 if cfg.eval.every and (step + 1) % cfg.eval.every == 0 or step + 1 == t.steps:
                     m.update(evaluate(cfg, engine, tokenizer, pool, eval_rows))
                 tracker.log(step + 1, m)
+                t0 = time.perf_counter()
                 last = m
                 if (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or step + 1 == t.steps:
-                    save_train_state(ckpt, step + 1, graphdef, state, model_cfg, prompts.state(),
+                    save_train_state(ckpt, step + 1, graphdef, state, model_cfg, data_state,
                                      cfg.model.lora.model_dump() if cfg.model.lora.rank else {},
                                      policy_version=step + 1)
+                if not off_policy and step + 1 < t.steps:
+                    job = produce(step + 1)
             ckpt.wait()
         finally:
+            if executor is not None:
+                executor.shutdown(wait=True, cancel_futures=True)
             tracker.close()
             ckpt.close()
             if hasattr(engine, "shutdown"):

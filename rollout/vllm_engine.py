@@ -60,21 +60,42 @@ class VllmEngine:
         from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
 
+        # Incremental detokenization is per-token Python in vLLM's output loop: only stop strings
+        # need it; otherwise the texts are decoded here in one batch. Logprobs come flat (one
+        # list per request instead of a dict per token).
+        detok = bool(params.stop)
         sp = VSP(n=params.n, temperature=params.temperature, top_p=params.top_p,
                  top_k=params.top_k if params.top_k > 0 else -1, max_tokens=params.max_tokens,
                  stop_token_ids=list(params.stop_token_ids), stop=list(params.stop),
-                 seed=params.seed, logprobs=0)
+                 seed=params.seed, logprobs=0, flat_logprobs=True, detokenize=detok)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids],
                                  sp, use_tqdm=False)
+        done = [(i, c) for i, out in enumerate(outs) for c in out.outputs]
+        texts = ([c.text for _, c in done] if detok else
+                 self.tokenizer.batch_decode([list(c.token_ids) for _, c in done],
+                                             skip_special_tokens=True))
         rollouts = []
-        for i, out in enumerate(outs):
-            for c in out.outputs:
-                ids = list(c.token_ids)
-                lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs or [], ids)]
-                rollouts.append(Rollout(i, list(prompt_token_ids[i]), ids, lps, c.text,
-                                        "stop" if c.finish_reason == "stop" else "length",
-                                        self.version))
+        for (i, c), text in zip(done, texts):
+            ids = list(c.token_ids)
+            rollouts.append(Rollout(i, list(prompt_token_ids[i]), ids, _sampled_logprobs(c.logprobs, ids),
+                                    text, "stop" if c.finish_reason == "stop" else "length",
+                                    self.version))
         return rollouts
+
+
+def _sampled_logprobs(flat, ids: list[int]) -> list[float]:
+    """The sampled token's logprob at each position of a `FlatLogprobs` (logprobs=0: vLLM keeps
+    exactly the sampled token per position)."""
+    if not flat:
+        return []
+    out = []
+    for pos, tok in enumerate(ids):
+        j = flat.start_indices[pos]
+        if flat.token_ids[j] != tok:
+            raise RuntimeError(f"vLLM logprob at position {pos} is for token {flat.token_ids[j]}, "
+                               f"not the sampled {tok}")
+        out.append(float(flat.logprobs[j]))
+    return out
 
 
 def _refresh_embedding_gemms(model) -> None:

@@ -13,6 +13,7 @@ E hidden size, F MLP size, V vocab.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -99,19 +100,34 @@ def attention_mask(q_pos_bt, q_seg_bt, k_pos_bs, k_seg_bs) -> jax.Array:
     return same & causal & (k_seg_bs[:, None, :] != 0)
 
 
-def dot_attention(q_bthd, k_bskd, v_bskd, mask_bts) -> jax.Array:
+def dot_attention(q_bthd, kt_bkds, v_bksd, mask_bts) -> jax.Array:
     """Grouped-query attention as batched matmuls over (batch, kv head): the G query heads that
     share a KV head are stacked along the row axis, [B, K, G*T, D] @ [B, K, D, S], which XLA runs
-    faster than a 5-D einsum (no per-group transposes inside the dot)."""
+    faster than a 5-D einsum (no per-group transposes inside the dot). Keys come transposed
+    ([B, K, D, S], the KV cache's layout: XLA:CPU transposes a [.., S, D] operand inside the dot,
+    2.8x slower in a decode step) and values as [B, K, S, D]."""
     b, t, h, d = q_bthd.shape
-    s, kh = k_bskd.shape[1], k_bskd.shape[2]
+    kh, s = kt_bkds.shape[1], kt_bkds.shape[3]
     g = h // kh
     q = q_bthd.reshape(b, t, kh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, d)
-    scores = jnp.matmul(q, k_bskd.transpose(0, 2, 3, 1)).astype(jnp.float32) / math.sqrt(d)
+    scores = jnp.matmul(q, kt_bkds).astype(jnp.float32) / math.sqrt(d)
     scores = jnp.where(mask_bts[:, None, None], scores.reshape(b, kh, g, t, s), MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskd.dtype).reshape(b, kh, g * t, s)
-    out = jnp.matmul(probs, v_bskd.transpose(0, 2, 1, 3))  # [B, K, G*T, D]
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bksd.dtype).reshape(b, kh, g * t, s)
+    out = jnp.matmul(probs, v_bksd)  # [B, K, G*T, D]
     return out.reshape(b, kh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h * d)
+
+
+class LayerKV(NamedTuple):
+    """What one layer sees of a `KVCache`: its keys [B, K, D, S] / values [B, K, S, D], either its
+    own buffers (`layer` None) or every layer's stacked on a leading axis with its index, written in place at
+    slots [start, start + T); and the slots' positions/segments (this chunk's already recorded)."""
+
+    k: jax.Array
+    v: jax.Array
+    layer: jax.Array | None
+    start: jax.Array
+    pos: jax.Array  # [B, S]
+    seg: jax.Array  # [B, S]
 
 
 class Attention(nnx.Module):
@@ -127,27 +143,33 @@ class Attention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x_bte, pos_bt, seg_bt, inv_freq, kv=None):
-        """kv: None (keys are this chunk) or (k_cache_bskd, v_cache_bskd, slot_pos_bs, slot_seg_bs)
-        already holding every slot except this chunk's, which are written at slot = position."""
+        """kv: None (keys are this chunk) or a `LayerKV`; returns (out, None | (k_all, v_all))."""
         cfg = self.cfg
         b, t, _ = x_bte.shape
         q = dense(self.q_proj, x_bte).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
         k = dense(self.k_proj, x_bte).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         v = dense(self.v_proj, x_bte).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        v = v.transpose(0, 2, 1, 3)  # [B, K, T, D]
         q = checkpoint_name(q, "qkv_proj")
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, pos_bt, inv_freq)
-        k = apply_rope(k, pos_bt, inv_freq)
+        k = apply_rope(k, pos_bt, inv_freq).transpose(0, 2, 3, 1)  # [B, K, D, T]
         if kv is None:
             keys, values, k_pos, k_seg, new_kv = k, v, pos_bt, seg_bt, None
         else:
-            k_cache, v_cache, k_pos, k_seg = kv
-            rows = jnp.arange(b)[:, None]
-            # Slot index = position; out-of-range positions (padding past the cache) are dropped.
-            k_cache = k_cache.at[rows, pos_bt].set(k.astype(k_cache.dtype), mode="drop")
-            v_cache = v_cache.at[rows, pos_bt].set(v.astype(v_cache.dtype), mode="drop")
-            keys, values, new_kv = k_cache, v_cache, (k_cache, v_cache)
+            if kv.layer is None:
+                keys = jax.lax.dynamic_update_slice(kv.k, k.astype(kv.k.dtype), (0, 0, 0, kv.start))
+                values = jax.lax.dynamic_update_slice(kv.v, v.astype(kv.v.dtype), (0, 0, kv.start, 0))
+                new_kv = (keys, values)
+            else:
+                k_at, v_at = (kv.layer, 0, 0, 0, kv.start), (kv.layer, 0, 0, kv.start, 0)
+                k_all = jax.lax.dynamic_update_slice(kv.k, k[None].astype(kv.k.dtype), k_at)
+                v_all = jax.lax.dynamic_update_slice(kv.v, v[None].astype(kv.v.dtype), v_at)
+                keys = jax.lax.dynamic_index_in_dim(k_all, kv.layer, 0, keepdims=False)
+                values = jax.lax.dynamic_index_in_dim(v_all, kv.layer, 0, keepdims=False)
+                new_kv = (k_all, v_all)
+            k_pos, k_seg = kv.pos, kv.seg
         mask = attention_mask(pos_bt, seg_bt, k_pos, k_seg)
         out = dot_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask)
         out = dense(self.o_proj, out)

@@ -17,7 +17,8 @@ from flax import nnx
 
 from posttrain.models.config import ModelConfig
 from posttrain.sharding import constrain
-from posttrain.models.layers import ACT_AXES, DTYPES, DecoderLayer, RMSNorm, _init, rope_inv_freq
+from posttrain.models.layers import (ACT_AXES, DTYPES, DecoderLayer, LayerKV, RMSNorm, _init,
+                                     rope_inv_freq)
 
 REMAT_POLICIES = {
     "none": None,
@@ -30,19 +31,37 @@ REMAT_POLICIES = {
 
 
 class KVCache(NamedTuple):
-    """Per-slot keys/values of every layer; a token at position p lives in slot p."""
+    """Keys/values of every layer in slots filled in order: a call on a chunk of T tokens writes
+    slots [end, end + T) of every row and advances `end`. Each slot records the position and
+    segment of its token, so the attention mask needs no slot/position relation: rows of
+    different prompt lengths decode in lockstep into one shared slot per step, which is a
+    `dynamic_update_slice` at a scalar offset (in place inside a `while_loop`), never a scatter.
+    The caller sizes the cache: a chunk written past the last slot is clamped by XLA.
 
-    k: jax.Array  # [L, B, S, K, D]
-    v: jax.Array  # [L, B, S, K, D]
+    Unrolled models keep one buffer per layer: a layer's attention then reads its buffer as is,
+    where a slice of a stacked [L, ...] array is a copy per layer per step (on CPU, half the
+    decode step of the reference model)."""
+
+    k: jax.Array | tuple  # scanned layers: [L, B, K, D, S]; unrolled: L arrays [B, K, D, S]
+    v: jax.Array | tuple  # scanned layers: [L, B, K, S, D]; unrolled: L arrays [B, K, S, D]
     pos: jax.Array  # [B, S] position held by each slot
     seg: jax.Array  # [B, S] segment of each slot; 0 = empty
+    end: jax.Array  # [] next slot to write
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
         dtype = dtype or DTYPES[cfg.compute_dtype]
-        shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                   jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((batch, max_len), jnp.int32))
+        k_shape = (batch, cfg.num_key_value_heads, cfg.head_dim, max_len)  # keys transposed
+        v_shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        if cfg.scan_layers:
+            k = jnp.zeros((cfg.num_hidden_layers, *k_shape), dtype)
+            v = jnp.zeros((cfg.num_hidden_layers, *v_shape), dtype)
+        else:
+            k = tuple(jnp.zeros(k_shape, dtype) for _ in range(cfg.num_hidden_layers))
+            v = tuple(jnp.zeros(v_shape, dtype) for _ in range(cfg.num_hidden_layers))
+        return cls(k, v,
+                   jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((batch, max_len), jnp.int32),
+                   jnp.zeros((), jnp.int32))
 
 
 def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
@@ -74,50 +93,56 @@ class Decoder(nnx.Module):
         x = constrain(self.embed_tokens(tokens_bt).astype(DTYPES[cfg.compute_dtype]), ACT_AXES)
         inv_freq = rope_inv_freq(cfg)
         if cache is not None:
-            rows = jnp.arange(tokens_bt.shape[0])[:, None]
-            cache = cache._replace(pos=cache.pos.at[rows, pos_bt].set(pos_bt, mode="drop"),
-                                   seg=cache.seg.at[rows, pos_bt].set(seg_bt, mode="drop"))
+            start = cache.end
+            cache = cache._replace(pos=jax.lax.dynamic_update_slice(cache.pos, pos_bt, (0, start)),
+                                   seg=jax.lax.dynamic_update_slice(cache.seg, seg_bt, (0, start)))
 
         def body(x, layer_state, kv):
             layer = nnx.merge(graphdef, layer_state)
-            kv_in = None if kv is None else (kv[0], kv[1], cache.pos, cache.seg)
-            return layer(x, pos_bt, seg_bt, inv_freq, kv_in)
+            return layer(x, pos_bt, seg_bt, inv_freq, kv)
+
+        def layer_kv(i, k_all, v_all):
+            return None if cache is None else LayerKV(k_all, v_all, i, start, cache.pos, cache.seg)
 
         policy = REMAT_POLICIES[cfg.remat]
         if cfg.remat != "none":
             body = jax.checkpoint(body, policy=policy)
 
+        k_all, v_all = (None, None) if cache is None else (cache.k, cache.v)
         if cfg.scan_layers:
+            # The whole cache rides in the carry: each layer writes its chunk in place.
             graphdef, state = nnx.split(self.layers)
-            kv_l = None if cache is None else (cache.k, cache.v)
 
-            def scan_body(x, xs):
-                st, kv = xs
-                x, kv, stats = body(x, st, kv)
-                return x, (kv, stats)
+            def scan_body(carry, xs):
+                x, k_all, v_all = carry
+                st, i = xs
+                x, kv, stats = body(x, st, layer_kv(i, k_all, v_all))
+                k_all, v_all = (None, None) if kv is None else kv
+                return (x, k_all, v_all), stats
 
-            x, (new_kv, stats) = jax.lax.scan(scan_body, x, (state, kv_l))
+            idx = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
+            (x, k_all, v_all), stats = jax.lax.scan(scan_body, (x, k_all, v_all), (state, idx))
         else:
             # Unrolled: call each layer object itself (qwix attaches LoRA params to it).
             def call(layer, x, kv):
-                kv_in = None if kv is None else (kv[0], kv[1], cache.pos, cache.seg)
-                return layer(x, pos_bt, seg_bt, inv_freq, kv_in)
+                return layer(x, pos_bt, seg_bt, inv_freq, kv)
 
             if cfg.remat != "none":
                 call = nnx.remat(call, policy=policy)
-            new_k, new_v, per_layer = [], [], []
+            per_layer, new_k, new_v = [], [], []
             for i, layer in enumerate(self.layers):
-                kv = None if cache is None else (cache.k[i], cache.v[i])
-                x, kv_out, layer_stats = call(layer, x, kv)
+                kv = None if cache is None else LayerKV(k_all[i], v_all[i], None, start, cache.pos,
+                                                        cache.seg)
+                x, kv, layer_stats = call(layer, x, kv)
                 per_layer.append(layer_stats)
-                if kv_out is not None:
-                    new_k.append(kv_out[0])
-                    new_v.append(kv_out[1])
-            new_kv = None if cache is None else (jnp.stack(new_k), jnp.stack(new_v))
+                if kv is not None:
+                    new_k.append(kv[0])
+                    new_v.append(kv[1])
+            k_all, v_all = tuple(new_k), tuple(new_v)
             stats = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
         x = self.norm(x)
         if cache is not None:
-            cache = cache._replace(k=new_kv[0], v=new_kv[1])
+            cache = cache._replace(k=k_all, v=v_all, end=start + tokens_bt.shape[1])
         return x, cache, stats
 
 

@@ -5,7 +5,8 @@ nothing), optimizer state, step and RNG. The model's structure (an NNX graphdef)
 closed over. Losses return `(sum, count)` so that gradient accumulation over micro-batches divides
 by the *global* count once: the accumulated gradient equals the full-batch gradient exactly, for
 every aggregation (the torchtune lesson). Every algorithm plugs a `loss_fn(model, batch) ->
-(loss_sum, count, aux)` into the same step.
+(loss_sum, count, aux)` into the same step. Scalar aux values are averaged over micro-batches;
+`rows/*` entries are per-row outputs, concatenated back to the batch's rows.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
 
             zeros = jax.tree.map(jnp.zeros_like, state.params)
             (s, n, g), aux = jax.lax.scan(body, (0.0, 0.0, zeros), (micro, jnp.arange(grad_accum)))
-            aux = jax.tree.map(lambda a: a.mean(0), aux)
+            aux = {k: a.reshape(-1, *a.shape[2:]) if k.startswith("rows/") else a.mean(0)
+                   for k, a in aux.items()}
         denom = jnp.maximum(n, 1.0)
         grads = jax.tree.map(lambda x: x / denom, g)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
