@@ -226,6 +226,7 @@ def build_engines(cfg: RunConfig, model, tokenizer, run_dir: Path):
                  runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}}
                  if jax.default_backend() == "cpu" else None)
     spec = {"kind": r.engine, "model_dir": str(hf_dir), "tokenizer_dir": str(hf_dir), "seed": cfg.seed,
+            "scan_layers": model.cfg.scan_layers,
             "vllm": {"dtype": r.dtype, "gpu_memory_utilization": r.gpu_memory_utilization,
                      "tensor_parallel_size": r.tensor_parallel_size, "seed": cfg.seed,
                      "enforce_eager": r.enforce_eager,
@@ -423,6 +424,7 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                           "completion_len/clipped": float(np.mean([r.finish_reason == "length" for r in rollouts])),
                           "sampling/attempts": float(attempts), "sampling/filled_groups":
                           float((adv_mask == 0).sum() / g.group_size), "policy_version": float(step + 1),
+                          "rollout/policy_version": float(min(r.version for r in rollouts)),
                           "time/step": time.perf_counter() - t0, **sync})
                 if cfg.eval.every and (step + 1) % cfg.eval.every == 0 or step + 1 == t.steps:
                     m.update(evaluate(cfg, engine, tokenizer, pool, eval_rows))

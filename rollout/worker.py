@@ -27,7 +27,9 @@ def build_engine(spec: dict[str, Any]):
         from rollout.jax_engine import JaxEngine
 
         tok = load_tokenizer(spec["tokenizer_dir"]) if spec.get("tokenizer_dir") else None
-        return JaxEngine(from_pretrained(spec["model_dir"]), tok,
+        # the trainer's layer layout (unrolled layers decode with per-layer KV buffers)
+        model = from_pretrained(spec["model_dir"], scan_layers=spec.get("scan_layers", True))
+        return JaxEngine(model, tok,
                          eos_token_ids=spec.get("eos_token_ids", ()), seed=spec.get("seed", 0))
     if kind == "vllm":
         from rollout.vllm_engine import VllmEngine
