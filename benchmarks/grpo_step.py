@@ -100,7 +100,7 @@ def ours(model_dir: Path, steps: int, work: Path, variant: str = "colocated") ->
     phases = ["time/rollout", "time/reward", "time/logprob", "time/update", "time/sync",
               "time/rollout_wait"]
     return {"step_s": statistics.median(r["time/step"] for r in rows),
-            **{p: statistics.median(r[p] for r in rows) for p in phases if p in rows[0]}}
+            **{p: statistics.median(r[p] for r in rows if p in r) for p in phases if p in rows[0]}}
 
 
 def trl(model_dir: Path, steps: int) -> dict:

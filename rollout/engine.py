@@ -23,6 +23,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False  # generate max_tokens regardless of EOS (benchmarks, length probes)
 
     def __post_init__(self):
         if self.n < 1 or self.max_tokens < 1:

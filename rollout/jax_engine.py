@@ -116,7 +116,7 @@ class JaxEngine:
         for i, r in enumerate(rows):
             tokens[i, : len(r)] = r
             lens[i] = len(r)
-        stop = sorted(set(self.eos) | set(params.stop_token_ids))
+        stop = sorted(set(() if params.ignore_eos else self.eos) | set(params.stop_token_ids))
         stop_ids = np.full((bucket_pow2(len(stop), 4),), -1, np.int32)
         stop_ids[: len(stop)] = stop
         seed = params.seed if params.seed is not None else self._seed * 1_000_003 + self._calls

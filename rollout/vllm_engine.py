@@ -67,7 +67,8 @@ class VllmEngine:
         sp = VSP(n=params.n, temperature=params.temperature, top_p=params.top_p,
                  top_k=params.top_k if params.top_k > 0 else -1, max_tokens=params.max_tokens,
                  stop_token_ids=list(params.stop_token_ids), stop=list(params.stop),
-                 seed=params.seed, logprobs=0, flat_logprobs=True, detokenize=detok)
+                 seed=params.seed, logprobs=0, flat_logprobs=True, detokenize=detok,
+                 ignore_eos=params.ignore_eos)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids],
                                  sp, use_tqdm=False)
         done = [(i, c) for i, out in enumerate(outs) for c in out.outputs]

@@ -55,10 +55,12 @@ def test_packed_row_matches_each_segment_alone(pair):
         start += n
 
 
-def test_kv_cache_decode_matches_full_forward(pair):
-    """Prefill a prompt, then feed the rest token by token through the cache."""
+@pytest.mark.parametrize("scan", [True, False])
+def test_kv_cache_decode_matches_full_forward(pair, scan):
+    """Prefill a prompt, then feed the rest token by token through the cache (stacked per-layer
+    buffers when scanned, one buffer per layer when unrolled)."""
     _, path = pair
-    ours = from_pretrained(path)
+    ours = from_pretrained(path, scan_layers=scan)
     rng = np.random.default_rng(2)
     # Two rows of different prompt lengths, right-padded, decoded in lockstep.
     full = rng.integers(3, 256, (2, 24)).astype(np.int32)

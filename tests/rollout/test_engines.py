@@ -62,11 +62,18 @@ def setup(request, tmp_path_factory):
     return d, ref, tok, updated
 
 
-def test_jax_engine_greedy_matches_transformers(setup):
+@pytest.mark.parametrize("scan", [True, False])
+def test_jax_engine_greedy_matches_transformers(setup, scan):
     d, ref, tok, _ = setup
-    eng = JaxEngine(from_pretrained(d), tok)
+    eng = JaxEngine(from_pretrained(d, scan_layers=scan), tok)
     got = [r.token_ids for r in eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))]
     assert got == [hf_greedy(ref, p, eos=tok.eos_token_id) for p in PROMPTS]
+    # with the first greedy token as EOS every row stops at once, unless EOS is ignored
+    eng.eos = sorted({g[0] for g in got})
+    short = eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))
+    assert [len(r.token_ids) for r in short] == [1] * len(PROMPTS)
+    full = eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert [r.token_ids for r in full] == [hf_greedy(ref, p, eos=-1) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
