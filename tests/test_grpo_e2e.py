@@ -3,7 +3,11 @@ rollout/trainer mismatch, one-step off-policy (async) trains on batches one vers
 killed run resumes to the same final parameters.
 
 The base is the grpo_tiny SFT stage on single-digit problems (learnable in a minute), copied into
-each run directory so that only the GRPO stage runs per test.
+each run directory so that only the GRPO stage runs per test. The learning test rewards a
+behaviour the policy can shift on every prompt at once (`tests/rewards_for_tests.py`): with the
+recipe's arithmetic reward, 16 steps of a 3M-parameter model move the mean reward by less than
+its step-to-step noise (measured: 0.20 -> 0.20 in one run, 0.197 -> 0.204 in another), which
+made the test a coin flip; with this reward the mean goes from ~0.06 to ~0.6 in 16 steps.
 """
 
 import shutil
@@ -43,12 +47,13 @@ def test_grpo_tiny_learns(base, tmp_path, engine, placement, off_policy):
                            f"stages.1.rollout.placement={placement}",
                            f"stages.1.async.off_policy_steps={off_policy}",
                            "stages.1.rollout.num_workers=2",
+                           "rewards.functions=[{fn: tests/rewards_for_tests.py:says_seven}]",
                            "stages.1.rollout.enforce_eager=true"])  # quick vLLM start in tests
     m = [x for x in metrics(d / "grpo") if x.get("reward_mean") is not None]
     assert len(m) == 16
     first = np.mean([x["reward_mean"] for x in m[:4]])
     last = np.mean([x["reward_mean"] for x in m[-4:]])
-    assert last > first, (first, last)
+    assert last > first + 0.1, (first, last)
     for x in m:
         assert x["policy_version"] == x["step"]
         # batch k comes from the weights after k updates, or k - 1 when generated during update k - 1
@@ -59,7 +64,7 @@ def test_grpo_tiny_learns(base, tmp_path, engine, placement, off_policy):
         elif x["step"] > 2:  # one update stale: the trainer's log-probs moved, TIS corrects it
             assert x["mismatch/mean_abs_logp_diff"] > 1e-4
         for k in ("time/rollout", "time/reward", "time/logprob", "time/update", "time/sync",
-                  *(["time/rollout_wait"] if off_policy else []),
+                  *(["time/rollout_wait"] if off_policy and x["step"] < len(m) else []),
                   "entropy", "clip_fraction", "completion_len/mean", "groups/zero_variance"):
             assert k in x, k
 
