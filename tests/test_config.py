@@ -48,6 +48,10 @@ USER_ERRORS = {
     "missing_data_file": ("data:\n  source: missing/train.jsonl\n", [],
         ["data.source: missing/train.jsonl: no such file"]),
     "malformed_yaml": ("train:\n  steps: [1, 2\n", [], ["malformed YAML", "line"]),
+    "async_key_typo": ("async:\n  off_policy_step: 1\n", [],  # `async` is an alias (keyword)
+        ["async.off_policy_step: unknown key; did you mean async.off_policy_steps?"]),
+    "async_out_of_range": ("async:\n  off_policy_steps: 2\n", [],
+        ["async.off_policy_steps:", "less than or equal to 1"]),
     "override_typo": ("train:\n  steps: 3\n", ["train.stpes=5"],
         ["train.stpes: unknown key; did you mean train.steps?"]),
     "override_bad_value": ("train:\n  steps: 3\n", ["train.steps=-1"],
@@ -98,8 +102,9 @@ def test_stages_merge_and_error_paths(tmp_path):
 
 
 def test_config_is_frozen_and_round_trips(tmp_path):
-    (cfg,) = load_recipe(write(tmp_path, "train:\n  steps: 7\n"))
+    (cfg,) = load_recipe(write(tmp_path, "train:\n  steps: 7\nasync:\n  off_policy_steps: 1\n"))
     with pytest.raises(Exception):
         cfg.train.steps = 1
+    assert "async:\n  off_policy_steps: 1" in cfg.to_yaml()  # written under its YAML name
     again = write(tmp_path, cfg.to_yaml(), "again.yaml")
     assert load_recipe(again)[0] == cfg
