@@ -39,7 +39,7 @@ if kind == "jax":
     from rollout.engine import SamplingParams
     from rollout.jax_engine import JaxEngine
     # unrolled layers, as the tiny recipes configure a 4-layer model (per-layer KV buffers)
-    eng = JaxEngine(from_pretrained(model_dir, scan_layers=False), None, eos_token_ids=[])
+    eng = JaxEngine(from_pretrained(model_dir, scan_layers=False), None)
     sp = SamplingParams(temperature=1.0, max_tokens=N, seed=0, ignore_eos=True)
     tps = timed(lambda: sum(len(r.token_ids) for r in eng.generate(prompts, sp)))
     import jax

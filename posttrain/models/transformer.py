@@ -101,8 +101,9 @@ class Decoder(nnx.Module):
             layer = nnx.merge(graphdef, layer_state)
             return layer(x, pos_bt, seg_bt, inv_freq, kv)
 
-        def layer_kv(i, k_all, v_all):
-            return None if cache is None else LayerKV(k_all, v_all, i, start, cache.pos, cache.seg)
+        def layer_kv(k, v, layer=None):
+            """This layer's view of the cache: its own buffers, or the stacked ones and its index."""
+            return None if cache is None else LayerKV(k, v, layer, start, cache.pos, cache.seg)
 
         policy = REMAT_POLICIES[cfg.remat]
         if cfg.remat != "none":
@@ -116,7 +117,7 @@ class Decoder(nnx.Module):
             def scan_body(carry, xs):
                 x, k_all, v_all = carry
                 st, i = xs
-                x, kv, stats = body(x, st, layer_kv(i, k_all, v_all))
+                x, kv, stats = body(x, st, layer_kv(k_all, v_all, i))
                 k_all, v_all = (None, None) if kv is None else kv
                 return (x, k_all, v_all), stats
 
@@ -131,8 +132,7 @@ class Decoder(nnx.Module):
                 call = nnx.remat(call, policy=policy)
             per_layer, new_k, new_v = [], [], []
             for i, layer in enumerate(self.layers):
-                kv = None if cache is None else LayerKV(k_all[i], v_all[i], None, start, cache.pos,
-                                                        cache.seg)
+                kv = None if cache is None else layer_kv(k_all[i], v_all[i])
                 x, kv, layer_stats = call(layer, x, kv)
                 per_layer.append(layer_stats)
                 if kv is not None:
