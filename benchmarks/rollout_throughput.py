@@ -46,6 +46,30 @@ if kind == "jax":
     from flax import nnx
     st = nnx.state(from_pretrained(model_dir, scan_layers=False))
     t0 = time.perf_counter(); eng.update_weights(st, 1); sync = time.perf_counter() - t0
+elif kind == "vllm_same":
+    # One LLM (our engine's), three requests alternated in one process: process-to-process
+    # variance on these shared cores is larger than the differences measured here.
+    from vllm import SamplingParams as VSP
+    from vllm.inputs import TokensPrompt
+    from rollout.engine import SamplingParams
+    from rollout.vllm_engine import VllmEngine
+    eng = VllmEngine(model_dir, gpu_memory_utilization=0.15)
+    tp = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    def raw(**extra):
+        sp = VSP(temperature=1.0, max_tokens=N, ignore_eos=True, seed=0, **extra)
+        return lambda: sum(len(o.outputs[0].token_ids) for o in eng.llm.generate(tp, sp, use_tqdm=False))
+    ours_sp = SamplingParams(temperature=1.0, max_tokens=N, seed=0, ignore_eos=True)
+    fns = {"no_logprobs": raw(), "logprobs": raw(logprobs=0, flat_logprobs=True, detokenize=False),
+           "engine": lambda: sum(len(r.token_ids) for r in eng.generate(prompts, ours_sp))}
+    for f in fns.values():
+        f()
+    rates = {k: [] for k in fns}
+    for _ in range(5):
+        for k, f in fns.items():
+            t0 = time.perf_counter(); n = f(); rates[k].append(n / (time.perf_counter() - t0))
+    print("@@" + json.dumps({"tokens_per_s": max(rates["engine"]), "sync_s": None,
+                             "same": {k: sorted(v)[len(v) // 2] for k, v in rates.items()}}))
+    sys.exit(0)
 elif kind in ("vllm_ours", "vllm_raw"):
     from vllm import LLM, SamplingParams as VSP
     from vllm.inputs import TokensPrompt
@@ -97,8 +121,9 @@ def main():
     import argparse
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kinds", default="jax,vllm_ours,vllm_raw,hf",
-                    help="comma-separated subset of jax,vllm_ours,vllm_raw,hf (vllm_raw is the reference)")
+    ap.add_argument("--kinds", default="jax,vllm_ours,vllm_raw,hf,vllm_same",
+                    help="comma-separated subset of jax,vllm_ours,vllm_raw,hf,vllm_same (vllm_raw is "
+                         "the reference; vllm_same: one LLM, three requests alternated in-process)")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -120,9 +145,27 @@ def main():
              "vllm_raw": "standalone vLLM", "hf": "transformers generate"}
     print(f"{'engine':<24}{'output tokens/s':>16}{'vs standalone vLLM':>20}{'weight sync s':>15}")
     for k in kinds:
+        if k == "vllm_same":
+            continue
         sync = min((x["sync_s"] for x in res[k] if x["sync_s"] is not None), default=None)
         print(f"{names[k]:<24}{best[k]:>16.0f}{best[k] / best['vllm_raw']:>19.2f}x"
               f"{'' if sync is None else f'{sync:>15.4f}'}")
+    if "vllm_same" in res:
+        print_same_llm(res["vllm_same"])
+
+
+def print_same_llm(runs: list[dict]) -> None:
+    """Medians over the rounds of the in-process medians: standalone requests with and without the
+    sampled token's logprob against our engine's `generate`, on the same LLM."""
+    keys = ("no_logprobs", "logprobs", "engine")
+    med = {k: sorted(r["same"][k] for r in runs)[len(runs) // 2] for k in keys}
+    print("\nsame LLM, alternated in one process (median tokens/s):")
+    labels = {"no_logprobs": "standalone request, no logprobs",
+              "logprobs": "standalone request, logprobs=0 (flat, no detokenize)",
+              "engine": "posttrain VllmEngine.generate"}
+    for k in keys:
+        print(f"  {labels[k]:<56}{med[k]:>8.0f}{med[k] / med['no_logprobs']:>8.2f}x"
+              f"{med[k] / med['logprobs']:>8.2f}x vs same request")
 
 
 if __name__ == "__main__":
