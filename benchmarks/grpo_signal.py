@@ -14,12 +14,15 @@ A diagnostic for the quickstart's GRPO stage (issue 8), on the generated arithme
    (cross-entropy on the reference answers). Every 15 steps, the mean probability of the exact
    reference answer ("The answer is X.<|im_end|>", teacher-forced) on 256 held-out and 256
    training problems: a smooth measure of what greedy accuracy can follow.
+Before both, the checkpoint's greedy answers on the held-out problems, by how far off the wrong
+ones are.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -112,6 +115,21 @@ def main():
 
     def cos(a, b):
         return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+    # 0. What the checkpoint gets wrong (greedy, held out): how far off the wrong answers are.
+    held = generated.prompt_completion_rows("eval", 300, MAX_OPERAND, 0, EVAL_FRACTION)
+    outs = engine.generate([encode_prompt(r, tok, True, i) for i, r in enumerate(held)],
+                           SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    off = []
+    for r, o in zip(held, outs):
+        nums = re.findall(r"-?\d+", o.text)
+        off.append(None if not nums else abs(int(nums[-1]) - int(r["answer"])))
+    wrong = [d for d in off if d != 0]
+    print(json.dumps({"held-out greedy accuracy": round(off.count(0) / len(off), 3),
+                      "wrong answers": len(wrong),
+                      "off by 1-9": sum(1 for d in wrong if d is not None and d < 10),
+                      "off by 10 or more": sum(1 for d in wrong if d is not None and d >= 10),
+                      "no number": wrong.count(None)}))
 
     rows = train_rows[: 64]
     g1 = flat(grads["grpo"](params0, batch_for("grpo", params0, rows, 1)[0]))
