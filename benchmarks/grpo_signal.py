@@ -51,11 +51,11 @@ GROUP, MAX_TOKENS, MAX_OPERAND, EVAL_FRACTION = 8, 12, 30, 0.15
 
 
 def reference_rollouts(rows, tok) -> list[Rollout]:
-    """The reference answer of each row as a completion (what SFT trains on)."""
-    end = tok.convert_tokens_to_ids("<|im_end|>")
+    """The reference completion of each row, ended as the chat template ends an assistant turn
+    (what SFT trains on)."""
     out = []
     for i, r in enumerate(rows):
-        ids = tok(f"The answer is {r['answer']}.", add_special_tokens=False)["input_ids"] + [end]
+        ids = tok(r["completion"].strip(), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         out.append(Rollout(i, encode_prompt(r, tok, True, i), ids, [0.0] * len(ids), "", "stop", 0))
     return out
 
@@ -140,14 +140,14 @@ def main():
                       "sign agreement grpo1/grpo2": round(float((np.sign(g1) == np.sign(g2)).mean()), 3)}))
 
     opt = make_optimizer(OptimizerSection(learning_rate=args.lr, schedule="constant"), args.steps)
+
+    @jax.jit
+    def apply(p, s, g):
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
     for mode in args.modes.split(","):
         params, state = params0, opt.init(params0)
-
-        @jax.jit
-        def apply(p, s, g):
-            u, s = opt.update(g, s, p)
-            return optax.apply_updates(p, u), s
-
         curve, rewards = [], []
         for step in range(args.steps + 1):
             if step % 15 == 0 or step == args.steps:

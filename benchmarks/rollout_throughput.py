@@ -12,6 +12,7 @@ sides produce the same number of tokens.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, NEW = 64, 64
 
 CHILD = r'''
-import json, os, sys, time
+import json, os, statistics, sys, time
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, ".")
 kind, model_dir = sys.argv[1], sys.argv[2]
@@ -68,7 +69,7 @@ elif kind == "vllm_same":
         for k, f in fns.items():
             t0 = time.perf_counter(); n = f(); rates[k].append(n / (time.perf_counter() - t0))
     print("@@" + json.dumps({"tokens_per_s": max(rates["engine"]), "sync_s": None,
-                             "same": {k: sorted(v)[len(v) // 2] for k, v in rates.items()}}))
+                             "same": {k: statistics.median(v) for k, v in rates.items()}}))
     sys.exit(0)
 elif kind in ("vllm_ours", "vllm_raw"):
     from vllm import LLM, SamplingParams as VSP
@@ -158,7 +159,7 @@ def print_same_llm(runs: list[dict]) -> None:
     """Medians over the rounds of the in-process medians: standalone requests with and without the
     sampled token's logprob against our engine's `generate`, on the same LLM."""
     keys = ("no_logprobs", "logprobs", "engine")
-    med = {k: sorted(r["same"][k] for r in runs)[len(runs) // 2] for k in keys}
+    med = {k: statistics.median(r["same"][k] for r in runs) for k in keys}
     print("\nsame LLM, alternated in one process (median tokens/s):")
     labels = {"no_logprobs": "standalone request, no logprobs",
               "logprobs": "standalone request, logprobs=0 (flat, no detokenize)",
