@@ -78,6 +78,8 @@ class GeneratedData(Strict):
     max_operand: int = Field(99, gt=0)
     eval_fraction: float = Field(0.1, gt=0, lt=1, description="share of all problems held out")
     seed: int = 0
+    worked: float = Field(0.0, ge=0, le=1, description="share of rows whose answer is worked out "
+                          "column by column before 'The answer is N.' (posttrain.data.generated)")
 
 
 class DataSection(Strict):

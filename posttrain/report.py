@@ -4,7 +4,7 @@
 eval split: never seen in any stage) and scores them with the recipe's correctness reward. A
 pretrained model is prompted with plain text ("What is a + b? The answer is"), later stages with
 the chat template. `write_report` leaves RUN_DIR/summary.md (a table) and RUN_DIR/progress.png
-(GRPO reward and held-out accuracy over steps).
+(GRPO reward, held-out accuracy and completion length over steps).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def write_report(stages: list[RunConfig], root: Path, seconds: dict[str, float])
     if not rl:
         return
     m = [json.loads(x) for x in (Path(rl[-1].run_dir) / "metrics.jsonl").read_text().splitlines()]
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, ax = plt.subplots(1, 3, figsize=(14, 3.6))
     steps = [r["step"] for r in m if r.get("reward_mean") is not None]
     ax[0].plot(steps, [r["reward_mean"] for r in m if r.get("reward_mean") is not None], lw=1)
     ax[0].set(title="GRPO: mean reward per step", xlabel="step", ylabel="reward")
@@ -81,5 +81,8 @@ def write_report(stages: list[RunConfig], root: Path, seconds: dict[str, float])
             ax[1].axhline(100 * acc[name]["accuracy"], ls=style, c="gray", label=f"after {name}")
     ax[1].set(title="held-out accuracy (greedy)", xlabel="GRPO step", ylabel="%")
     ax[1].legend(fontsize=8)
+    lens = [(r["step"], r["completion_len/mean"]) for r in m if r.get("completion_len/mean") is not None]
+    ax[2].plot([s for s, _ in lens], [n for _, n in lens], lw=1)
+    ax[2].set(title="GRPO: mean completion length", xlabel="step", ylabel="tokens")
     fig.tight_layout()
     fig.savefig(root / "progress.png", dpi=110)

@@ -26,7 +26,7 @@ def load_rows(source: str, split: str, data: DataSection):
     if source == "generated":
         g = data.generated
         n = g.num_train if split == "train" else g.num_eval
-        return generated.rows(data.format, split, n, g.max_operand, g.seed, g.eval_fraction)
+        return generated.rows(data.format, split, n, g.max_operand, g.seed, g.eval_fraction, g.worked)
     import datasets
 
     p = Path(source)

@@ -3,6 +3,18 @@
 Problems are `a + b` and `a - b` over 0..max_operand. The train/eval split is by a hash of the
 problem itself, so a held-out problem never appears in training data in any format (pretraining
 text, SFT chats or RL prompts).
+
+An answer is written either straight ("The answer is 41.") or, for a share `worked` of the rows,
+worked out column by column first, as a person does on paper:
+
+    3 + 8 = 11, 2 + 1 + 1 = 4, so 41. The answer is 41.         (23 + 18: units, then tens + carry)
+    13 - 8 = 5, 2 - 1 - 1 = 0, so 5. The answer is 5.           (23 - 18: borrow from the tens)
+    18 < 23, so -(23 - 18): 13 - 8 = 5, 2 - 1 - 1 = 0, so -5. The answer is -5.
+
+Each step is a one-digit fact next to the digits it uses, which a tiny model learns far more
+easily than the whole sum in one token. The quickstart pretrains on both forms and SFTs on the
+straight one (as most question/answer data is written); RL with a verifier then finds that working
+the sum out gets it right more often.
 """
 
 from __future__ import annotations
@@ -26,8 +38,37 @@ class Problem:
     def answer(self) -> int:
         return self.a + self.b if self.op == "+" else self.a - self.b
 
-    def text(self) -> str:
-        return f"{self.question} The answer is {self.answer}."
+    def worked(self) -> str:
+        """The column-by-column working that ends in the answer (see the module docstring)."""
+        if self.op == "-" and self.a < self.b:
+            return f"{self.a} < {self.b}, so -({self.b} - {self.a}): {_columns(self.b, self.a, '-')}, so {self.answer}"
+        return f"{_columns(self.a, self.b, self.op)}, so {self.answer}"
+
+    def reply(self, worked: bool = False) -> str:
+        """The assistant's answer, straight or worked."""
+        return f"{self.worked()}. The answer is {self.answer}." if worked else f"The answer is {self.answer}."
+
+    def text(self, worked: bool = False) -> str:
+        return f"{self.question} {self.reply(worked)}"
+
+
+def _columns(a: int, b: int, op: str) -> str:
+    """'3 + 8 = 11, 2 + 1 + 1 = 4' for 23 + 18; '13 - 8 = 5, 2 - 1 - 1 = 0' for 23 - 18 (a >= b
+    for '-'). Units first; from the second column on, the carry (or borrow) is written even when 0."""
+    xs, ys = str(a)[::-1], str(b)[::-1]
+    steps, carry = [], 0
+    for i in range(max(len(xs), len(ys))):
+        x, y = int(xs[i]) if i < len(xs) else 0, int(ys[i]) if i < len(ys) else 0
+        extra = f" {op} {carry}" if i else ""
+        if op == "+":
+            total = x + y + carry
+            steps.append(f"{x} + {y}{extra} = {total}")
+            carry = total // 10
+        else:
+            borrow = int(x - carry < y)
+            steps.append(f"{'1' if borrow else ''}{x} - {y}{extra} = {10 * borrow + x - y - carry}")
+            carry = borrow
+    return ", ".join(steps)
 
 
 def is_held_out(p: Problem, eval_fraction: float = 0.1) -> bool:
@@ -52,39 +93,50 @@ def problems(split: str, n: int, max_operand: int, seed: int, eval_fraction: flo
     return [rng.choice(pool) for _ in range(n)]
 
 
-def chatml(p: Problem) -> str:
+def chatml(p: Problem, worked: bool = False) -> str:
     """The same problem as a ChatML transcript (what `posttrain.data.tokenizer.CHAT_TEMPLATE`
     renders); pretraining corpora hold chat transcripts too, so the chat format is not new at SFT."""
     return (f"<|im_start|>user\n{p.question}<|im_end|>\n<|im_start|>assistant\n"
-            f"The answer is {p.answer}.")
+            f"{p.reply(worked)}")
 
 
-def text_rows(split: str, n: int, max_operand: int, seed: int, eval_fraction: float = 0.1) -> list[dict]:
+def _with_working(split: str, n: int, max_operand: int, seed: int, eval_fraction: float,
+                  worked: float) -> list[tuple[Problem, bool]]:
+    """The split's problems, each with whether its answer is worked (a share `worked`, drawn)."""
+    rng = random.Random(f"{seed}-{split}-worked")
+    return [(p, rng.random() < worked) for p in problems(split, n, max_operand, seed, eval_fraction)]
+
+
+def text_rows(split: str, n: int, max_operand: int, seed: int, eval_fraction: float = 0.1,
+              worked: float = 0.0) -> list[dict]:
     """Pretraining documents: every other one a chat transcript, the rest plain sentences."""
-    return [{"text": chatml(p) if i % 2 else p.text()}
-            for i, p in enumerate(problems(split, n, max_operand, seed, eval_fraction))]
+    return [{"text": chatml(p, w) if i % 2 else p.text(w)}
+            for i, (p, w) in enumerate(_with_working(split, n, max_operand, seed, eval_fraction, worked))]
 
 
-def chat_rows(split: str, n: int, max_operand: int, seed: int, eval_fraction: float = 0.1) -> list[dict]:
+def chat_rows(split: str, n: int, max_operand: int, seed: int, eval_fraction: float = 0.1,
+              worked: float = 0.0) -> list[dict]:
     return [{"messages": [{"role": "user", "content": p.question},
-                          {"role": "assistant", "content": f"The answer is {p.answer}."}],
-             "answer": str(p.answer)} for p in problems(split, n, max_operand, seed, eval_fraction)]
+                          {"role": "assistant", "content": p.reply(w)}],
+             "answer": str(p.answer)}
+            for p, w in _with_working(split, n, max_operand, seed, eval_fraction, worked)]
 
 
-def prompt_completion_rows(split: str, n: int, max_operand: int, seed: int, eval_fraction: float = 0.1) -> list[dict]:
-    return [{"prompt": p.question, "completion": f" The answer is {p.answer}.",
-             "answer": str(p.answer)} for p in problems(split, n, max_operand, seed, eval_fraction)]
+def prompt_completion_rows(split: str, n: int, max_operand: int, seed: int, eval_fraction: float = 0.1,
+                           worked: float = 0.0) -> list[dict]:
+    return [{"prompt": p.question, "completion": f" {p.reply(w)}", "answer": str(p.answer)}
+            for p, w in _with_working(split, n, max_operand, seed, eval_fraction, worked)]
 
 
 def rows(fmt: str, split: str, n: int, max_operand: int, seed: int,
-         eval_fraction: float = 0.1) -> list[dict]:
+         eval_fraction: float = 0.1, worked: float = 0.0) -> list[dict]:
     return {"text": text_rows, "messages": chat_rows, "prompt_completion": prompt_completion_rows}[
-        fmt](split, n, max_operand, seed, eval_fraction)
+        fmt](split, n, max_operand, seed, eval_fraction, worked)
 
 
 def corpus_for_tokenizer(max_operand: int) -> list[str]:
     """Text covering every surface form the tokenizer must handle (all numbers, both ops)."""
     probs = all_problems(min(max_operand, 99))[:: 3]
-    return [p.text() for p in probs] + [f"{i}" for i in range(-max_operand, 2 * max_operand + 1)] + [
+    return [p.text() for p in probs] + [p.text(worked=True) for p in probs[1::4]] + [f"{i}" for i in range(-max_operand, 2 * max_operand + 1)] + [
         f"user\n{p.question}\nassistant\nThe answer is {p.answer}.\n" for p in probs[::5]] + [
         "system\nYou are a helpful assistant.\n", "<think>\n</think>\n<answer></answer>"]
