@@ -37,3 +37,49 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     per_layer = e * h * d * 2 + e * k * d * 2 + 3 * e * f
     matmul_params = layers * per_layer + v * e
     return 6 * matmul_params + 12 * layers * seq_len * h * d
+
+
+def _best_time(f, *args, reps: int = 5) -> float:
+    jax.block_until_ready(f(*args))
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def matmul_floor_seconds(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    """Seconds the GRPO step's weight matmuls alone take at the workload's own shapes, under jit:
+    `rollout`: `new_tokens` decode steps of `batch` rows through every layer's projections and
+    the LM head (a fori_loop, as the engine's while_loop); `update`: forward and backward (dX and
+    dW) of the same matmuls over batch x (prompt_len + new_tokens) tokens. Attention, norms,
+    RoPE, sampling and the loss are left out: a floor no implementation on these cores beats
+    without faster matmuls."""
+    import jax.numpy as jnp
+
+    e, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    keys = iter(jax.random.split(jax.random.key(0), 4 * cfg.num_hidden_layers + 2))
+    layers = [{"qkv": jax.random.normal(next(keys), (e, q + 2 * kv)) * 0.02,
+               "o": jax.random.normal(next(keys), (q, e)) * 0.02,
+               "gu": jax.random.normal(next(keys), (e, 2 * f)) * 0.02,
+               "down": jax.random.normal(next(keys), (f, e)) * 0.02} for _ in range(cfg.num_hidden_layers)]
+    head = jax.random.normal(next(keys), (e, v)) * 0.02
+
+    def forward(x, layers, head):
+        for w in layers:
+            x = x + (x @ w["qkv"])[:, :q] @ w["o"]
+            g = x @ w["gu"]
+            x = x + (g[:, :f] * g[:, f:]) @ w["down"]
+        return x @ head
+
+    @jax.jit
+    def decode(x, layers, head):
+        return jax.lax.fori_loop(0, new_tokens, lambda i, x: x + forward(x, layers, head)[:, :e] * 1e-3, x)
+
+    update = jax.jit(jax.grad(lambda ws, x: forward(x, *ws).sum()))
+    tokens = batch * (prompt_len + new_tokens)
+    rollout_s = _best_time(decode, jnp.ones((batch, e)), layers, head)
+    update_s = _best_time(update, (layers, head), jnp.ones((tokens, e)))
+    return {"rollout": rollout_s, "update": update_s, "step": rollout_s + update_s}

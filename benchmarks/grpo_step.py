@@ -120,7 +120,7 @@ def main():
     args = ap.parse_args()
     variants = args.variants.split(",")
     sys.path.insert(0, str(ROOT))
-    from benchmarks.common import matmul_peak_gflops
+    from benchmarks.common import REFERENCE, matmul_floor_seconds, matmul_peak_gflops
     from tests.helpers import save_tiny_model_with_tokenizer
 
     work = Path(tempfile.mkdtemp(prefix="grpo_bench_"))
@@ -128,6 +128,8 @@ def main():
     save_tiny_model_with_tokenizer(model_dir, "qwen3", hidden=256, inter=768, layers=4, heads=4,
                                    kv=2, head_dim=64)
     peak = matmul_peak_gflops()
+    # The prompts are ~20 tokens; the update's rows are padded to a multiple of 32 (96 here).
+    floor = matmul_floor_seconds(REFERENCE, batch=64, prompt_len=32, new_tokens=64)
     res = {v: [] for v in variants} | {"trl": []}
     for _ in range(args.rounds):
         for v in variants:
@@ -154,6 +156,9 @@ def main():
             f"{k.split('/')[1]} {x:.3f}" for k, x in o.items() if k.startswith("time/")))
         print(f"  step FLOPs ~{flops / 1e9:.1f} GFLOP -> {flops / o['step_s'] / 1e9:.0f} GFLOP/s "
               f"= {flops / o['step_s'] / 1e9 / peak:.1%} of the measured peak")
+    print(f"matmul floor at this workload's shapes (weight matmuls alone, jit): rollout "
+          f"{floor['rollout']:.3f} s + update {floor['update']:.3f} s = {floor['step']:.3f} s per step "
+          f"({1.19 / floor['step']:.2f}x the Tunix figure)")
     print("all rounds: " + json.dumps({k: [round(r['step_s'], 3) for r in v] for k, v in res.items()}))
 
 
