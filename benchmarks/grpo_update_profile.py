@@ -1,0 +1,121 @@
+"""Where the GRPO update's time goes, op by op, on the reference workload of `grpo_step.py`.
+
+    python -m benchmarks.grpo_update_profile [--top 25]
+
+Builds the pipeline's own jitted update (`make_train_step` with the GRPO loss) for the 3.3M
+reference model on a [64, 96] batch (8 x 8 completions of <= 64 tokens after ~20-token prompts,
+padded to the pipeline's 32-token bucket), times it, then traces three steps with the JAX profiler
+and sums the XLA:CPU thunks' durations by kind (`ynn_fusion`: YNNPACK dot fusions, i.e. the
+matmuls; the rest element-wise, copy and transpose fusions). Op time can exceed wall time: the
+thunk executor runs independent thunks on both cores at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+B, T = 64, 96
+
+
+def build(work: Path):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import yaml
+    from flax import nnx
+
+    from benchmarks.grpo_step import RECIPE
+    from posttrain.config import resolve_stages
+    from posttrain.pipeline import make_loss_fn
+    from posttrain.sharding import make_mesh, use_mesh
+    from posttrain.train.loop import (
+        create_model,
+        prepare_tokenizer,
+        resolve_model_config,
+    )
+    from posttrain.train.optimizer import init_opt_state, lr_schedule, make_optimizer
+    from posttrain.train.step import TrainState, make_train_step
+    from tests.helpers import save_tiny_model_with_tokenizer
+
+    save_tiny_model_with_tokenizer(work / "model", "qwen3", hidden=256, inter=768, layers=4, heads=4,
+                                   kv=2, head_dim=64)
+    cfg = resolve_stages(yaml.safe_load(RECIPE.format(run_dir=work / "run", model=work / "model",
+                                                      steps=10, extra="")))[0]
+    tok = prepare_tokenizer(cfg, work / "run")
+    mesh = make_mesh(cfg.mesh)
+    with use_mesh(mesh, cfg.mesh.rules):
+        model = create_model(cfg, resolve_model_config(cfg, tok), mesh)
+        graphdef, params, frozen = nnx.split(model, nnx.Param, ...)
+        opt = make_optimizer(cfg.optimizer, 100)
+        state = TrainState(params, frozen, init_opt_state(opt, params), jnp.zeros((), jnp.int32),
+                           jax.random.key_data(jax.random.key(0)))
+        step = jax.jit(make_train_step(graphdef, opt, make_loss_fn(cfg), 1,
+                                       lr_schedule(cfg.optimizer, 100)), donate_argnums=0)
+    rng = np.random.RandomState(0)
+    mask = np.zeros((B, T), np.float32)
+    mask[:, 20:84] = 1
+    batch = {"tokens": rng.randint(0, 400, (B, T)), "targets": rng.randint(0, 400, (B, T)),
+             "positions": np.broadcast_to(np.arange(T), (B, T)), "segment_ids": np.ones((B, T)),
+             "loss_mask": mask, "logp_rollout": np.zeros((B, T), np.float32),
+             "advantages": rng.randn(B).astype(np.float32)}
+    batch = {k: jnp.asarray(v, jnp.float32 if v.dtype.kind == "f" else jnp.int32) for k, v in batch.items()}
+    return step, state, batch
+
+
+def main() -> None:
+    import jax
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="grpo_update_profile_"))
+    step, state, batch = build(work)
+    for _ in range(3):
+        state, m = step(state, batch)
+        jax.block_until_ready(m)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        state, m = step(state, batch)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t0)
+    print(f"update step [{B}, {T}]: {min(times):.3f} s (best of 5)")
+    reps = 3
+    jax.profiler.start_trace(str(work / "trace"), create_perfetto_trace=True)
+    for _ in range(reps):
+        state, m = step(state, batch)
+        jax.block_until_ready(m)
+    jax.profiler.stop_trace()
+    with gzip.open(max((work / "trace").rglob("*.trace.json.gz"))) as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    per_op: collections.Counter = collections.Counter()
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") == "X" and "dur" in e and not name.startswith(("ThunkExecutor", "$", "Slinky", "Pjit")):
+            per_op[name] += e["dur"] / reps / 1e3
+    kinds: collections.Counter = collections.Counter()
+    for name, ms in per_op.items():
+        kinds[re.sub(r"[.\d]+$", "", name)] += ms
+    total = sum(kinds.values())
+    print(f"op time per step {total:.0f} ms, by kind:")
+    for kind, ms in kinds.most_common(args.top):
+        print(f"  {ms:8.1f} ms  {100 * ms / total:5.1f}%  {kind}")
+    print("largest ops:")
+    for name, ms in per_op.most_common(args.top):
+        print(f"  {ms:8.1f} ms  {name}")
+
+
+if __name__ == "__main__":
+    main()
