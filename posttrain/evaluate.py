@@ -32,6 +32,24 @@ def final_answer(text: str) -> str | None:
     return ans
 
 
+def generated_task_of(model_dir):
+    """The generated task a model was trained on: `data.generated` of the run's config.yaml in
+    the model's directory or up to two levels above (a stage dir, its hf/ or checkpoints/STEP),
+    so that `--dataset generated` holds out the same problems; the defaults when there is none."""
+    from pathlib import Path
+
+    from posttrain.config import GeneratedData, read_yaml, validate_tree
+
+    p = Path(model_dir).resolve()
+    for cand in (p, p.parent, p.parent.parent):
+        if (cand / "config.yaml").is_file():
+            task = validate_tree(read_yaml(cand / "config.yaml")).data.generated
+            sys.stderr.write(f"generated task from {cand / 'config.yaml'}: max_operand "
+                             f"{task.max_operand}, eval_fraction {task.eval_fraction}, seed {task.seed}\n")
+            return task
+    return GeneratedData()
+
+
 def run_eval(args) -> int:
     from posttrain.config import DataSection, RewardFunctionSpec, RewardsSection, RunConfig
     from posttrain.data.tokenizer import load_tokenizer
@@ -43,12 +61,14 @@ def run_eval(args) -> int:
     from rollout.jax_engine import JaxEngine
     from converters.loading import resolve_model_path
 
-    cfg = RunConfig(data=DataSection(source=args.dataset, eval_source=args.dataset,
-                                     eval_split=args.split),
+    model_dir = resolve_model_path(args.model)
+    data = DataSection(source=args.dataset, eval_source=args.dataset, eval_split=args.split)
+    if args.dataset == "generated":
+        data = data.model_copy(update={"generated": generated_task_of(model_dir)})
+    cfg = RunConfig(data=data,
                     rewards=RewardsSection(functions=[RewardFunctionSpec(fn=args.reward,
                                                                          kwargs=json.loads(args.reward_kwargs))]))
     rows = prompt_rows(cfg, "eval", args.limit)
-    model_dir = resolve_model_path(args.model)
     tok = load_tokenizer(find_tokenizer_dir(model_dir))
     engine = JaxEngine(from_pretrained(model_dir), tok)
     ids = [encode_prompt(r, tok, not args.no_chat, i) for i, r in enumerate(rows)]

@@ -32,3 +32,21 @@ def test_eval_prints_pass_and_maj(tmp_path):
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["problems"] == 6 and res["n"] == 4
     assert 0 <= res["pass@1"] <= res["pass@4"] <= 1 and 0 <= res["maj@4"] <= 1
+
+
+def test_eval_on_generated_uses_the_runs_task(tmp_path):
+    """A run's config.yaml next to the model sets the generated task (operands, held-out split),
+    so `--dataset generated` scores the problems that run held out, not the defaults."""
+    from posttrain.data import generated
+
+    model = tmp_path / "run" / "hf"
+    save_tiny_model_with_tokenizer(model, "qwen3")
+    (tmp_path / "run" / "config.yaml").write_text(
+        "data: {source: generated, generated: {max_operand: 7, eval_fraction: 0.5, seed: 3}}\n")
+    r = subprocess.run([sys.executable, "-m", "posttrain.cli", "eval", str(model), "--dataset",
+                        "generated", "--limit", "500", "--max-tokens", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "max_operand 7, eval_fraction 0.5, seed 3" in r.stderr
+    held_out = generated.problems("eval", 500, 7, 3, 0.5)
+    assert json.loads(r.stdout.strip().splitlines()[-1])["problems"] == len(held_out) < 500
