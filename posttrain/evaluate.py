@@ -51,7 +51,13 @@ def generated_task_of(model_dir):
 
 
 def run_eval(args) -> int:
-    from posttrain.config import DataSection, RewardFunctionSpec, RewardsSection, RunConfig
+    from converters.loading import resolve_model_path
+    from posttrain.config import (
+        DataSection,
+        RewardFunctionSpec,
+        RewardsSection,
+        RunConfig,
+    )
     from posttrain.data.tokenizer import load_tokenizer
     from posttrain.models import from_pretrained
     from posttrain.pipeline import encode_prompt, prompt_rows, reward_columns
@@ -59,7 +65,6 @@ def run_eval(args) -> int:
     from rollout.cli_generate import find_tokenizer_dir
     from rollout.engine import SamplingParams
     from rollout.jax_engine import JaxEngine
-    from converters.loading import resolve_model_path
 
     model_dir = resolve_model_path(args.model)
     data = DataSection(source=args.dataset, eval_source=args.dataset, eval_split=args.split)
