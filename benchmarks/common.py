@@ -14,6 +14,17 @@ REFERENCE = ModelConfig(arch="qwen3", vocab_size=512, hidden_size=256, intermedi
                         head_dim=64, tie_word_embeddings=True, max_position_embeddings=512)
 
 
+def _best_time(f, *args, reps: int = 5) -> float:
+    """Best wall time of `reps` calls of `f(*args)` after one warm-up (compile) call."""
+    jax.block_until_ready(f(*args))
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def matmul_peak_gflops(rows: int = 4096, reps: int = 5) -> float:
     """f32 GFLOP/s of the model's own matmul shapes (rows x 256 @ 256 x 768 and back)."""
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
@@ -21,13 +32,7 @@ def matmul_peak_gflops(rows: int = 4096, reps: int = 5) -> float:
     w1 = jax.random.normal(k2, (256, 768))
     w2 = jax.random.normal(k3, (768, 256))
     f = jax.jit(lambda x: ((x @ w1) @ w2).sum())
-    f(x).block_until_ready()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * 2 * rows * 256 * 768 / best / 1e9
+    return 2 * 2 * rows * 256 * 768 / _best_time(f, x, reps=reps) / 1e9
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -37,16 +42,6 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     per_layer = e * h * d * 2 + e * k * d * 2 + 3 * e * f
     matmul_params = layers * per_layer + v * e
     return 6 * matmul_params + 12 * layers * seq_len * h * d
-
-
-def _best_time(f, *args, reps: int = 5) -> float:
-    jax.block_until_ready(f(*args))
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def matmul_floor_seconds(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int) -> dict:

@@ -73,7 +73,6 @@ def control(recipe: Path, run: Path, name: str, change: dict) -> float:
     tree["tracking"] = {"wandb": {"mode": "disabled"}}
     tree["stages"] = [tree["stages"][0], deep_merge(tree["stages"][1], change)]
     shutil.copytree(run / "pretrain", tmp / "pretrain")
-    (tmp / "stage_accuracy.jsonl").unlink(missing_ok=True)
     run_stages(resolve_stages(tree))
     rows = [json.loads(x) for x in (tmp / "stage_accuracy.jsonl").read_text().splitlines()]
     shutil.rmtree(tmp, ignore_errors=True)

@@ -35,17 +35,25 @@ def final_answer(text: str) -> str | None:
 def generated_task_of(model_dir):
     """The generated task a model was trained on: `data.generated` of the run's config.yaml in
     the model's directory or up to two levels above (a stage dir, its hf/ or checkpoints/STEP),
-    so that `--dataset generated` holds out the same problems; the defaults when there is none."""
+    so that `--dataset generated` holds out the same problems; the defaults when there is none.
+    Only that section is read, so a config.yaml from another version still serves."""
     from pathlib import Path
 
-    from posttrain.config import GeneratedData, read_yaml, validate_tree
+    from pydantic import ValidationError
+
+    from posttrain.config import GeneratedData, format_validation_error, read_yaml
+    from posttrain.errors import UserError
 
     p = Path(model_dir).resolve()
-    for cand in (p, p.parent, p.parent.parent):
-        if (cand / "config.yaml").is_file():
-            task = validate_tree(read_yaml(cand / "config.yaml")).data.generated
-            sys.stderr.write(f"generated task from {cand / 'config.yaml'}: max_operand "
-                             f"{task.max_operand}, eval_fraction {task.eval_fraction}, seed {task.seed}\n")
+    for path in (p / "config.yaml", p.parent / "config.yaml", p.parent.parent / "config.yaml"):
+        if path.is_file():
+            section = (read_yaml(path).get("data") or {}).get("generated") or {}
+            try:
+                task = GeneratedData.model_validate(section)
+            except ValidationError as e:
+                raise UserError(f"{path}: {format_validation_error(e, 'data.generated.')}") from None
+            sys.stderr.write(f"generated task from {path}: max_operand {task.max_operand}, "
+                             f"eval_fraction {task.eval_fraction}, seed {task.seed}\n")
             return task
     return GeneratedData()
 

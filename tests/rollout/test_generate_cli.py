@@ -13,13 +13,13 @@ def test_generate_jax_json_lines(tmp_path):
     prompts.write_text("What is 1 + 2?\nWhat is 3 - 1?\n")
     r = subprocess.run([sys.executable, "-m", "posttrain.cli", "generate", "--model", str(tmp_path),
                         "--engine", "jax", "--prompts", str(prompts), "--n", "2", "--max-tokens", "8",
-                        "--seed", "0", "--chat"], capture_output=True, text=True, timeout=300)
+                        "--seed", "0", "--chat"], check=False, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(x) for x in r.stdout.splitlines()]
     assert len(rows) == 4 and [x["prompt"] for x in rows] == ["What is 1 + 2?"] * 2 + ["What is 3 - 1?"] * 2
     assert all(len(x["token_ids"]) == len(x["logprobs"]) <= 8 for x in rows)
     r = subprocess.run([sys.executable, "-m", "posttrain.cli", "generate", "--model",
-                        str(tmp_path / "nope"), "--prompt", "x"], capture_output=True, text=True)
+                        str(tmp_path / "nope"), "--prompt", "x"], check=False, capture_output=True, text=True)
     assert r.returncode == 2 and "no such model directory" in r.stderr
 
 
@@ -27,7 +27,7 @@ def test_eval_prints_pass_and_maj(tmp_path):
     save_tiny_model_with_tokenizer(tmp_path, "qwen3")
     r = subprocess.run([sys.executable, "-m", "posttrain.cli", "eval", str(tmp_path), "--dataset",
                         "generated", "--n", "4", "--limit", "6", "--max-tokens", "6"],
-                       capture_output=True, text=True, timeout=300)
+                       check=False, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["problems"] == 6 and res["n"] == 4
@@ -45,8 +45,13 @@ def test_eval_on_generated_uses_the_runs_task(tmp_path):
         "data: {source: generated, generated: {max_operand: 7, eval_fraction: 0.5, seed: 3}}\n")
     r = subprocess.run([sys.executable, "-m", "posttrain.cli", "eval", str(model), "--dataset",
                         "generated", "--limit", "500", "--max-tokens", "2"],
-                       capture_output=True, text=True, timeout=300)
+                       check=False, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "max_operand 7, eval_fraction 0.5, seed 3" in r.stderr
     held_out = generated.problems("eval", 500, 7, 3, 0.5)
     assert json.loads(r.stdout.strip().splitlines()[-1])["problems"] == len(held_out) < 500
+    bad = tmp_path / "run" / "config.yaml"
+    bad.write_text("data: {generated: {max_operand: -1}}\n")
+    r = subprocess.run([sys.executable, "-m", "posttrain.cli", "eval", str(model), "--dataset",
+                        "generated"], check=False, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and str(bad) in r.stderr and "data.generated.max_operand" in r.stderr
