@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from rewards.sandbox import run_tests
+from rewards.sandbox import run_many
 
 
 def completion_text(c) -> str:
@@ -113,9 +113,14 @@ def extract_code(text: str) -> str:
 
 
 def code_reward(prompts, completions, *, tests_column: str = "tests", timeout_s: float = 5.0,
-                memory_mb: int = 512, **columns) -> list[float]:
+                memory_mb: int = 512, isolation: str = "os", parallel: int | None = None,
+                **columns) -> list[float]:
     """Fraction of the row's tests passed. A test is an assert statement (MBPP style) or a
-    {"input": stdin, "output": expected stdout} pair."""
+    {"input": stdin, "output": expected stdout} pair. Each completion runs in its own OS sandbox
+    (`rewards.sandbox`; `isolation: process` is the weaker fallback), `parallel` at a time
+    (default: one per core), with `timeout_s` of wall time for all its tests."""
     tests = _truths(columns, tests_column, len(completions))
-    return [run_tests(extract_code(completion_text(c)), t, timeout_s=timeout_s,
-                      memory_mb=memory_mb).fraction_passed for c, t in zip(completions, tests)]
+    codes = [extract_code(completion_text(c)) for c in completions]
+    results = run_many(codes, tests, parallel=parallel, timeout_s=timeout_s, memory_mb=memory_mb,
+                       isolation=isolation)
+    return [r.fraction_passed for r in results]

@@ -72,6 +72,10 @@ class RewardPool:
 
         for spec in cfg.functions:  # resolve now so that a bad spec fails at start-up, in the parent
             resolve(spec.fn, spec.adapter)
+            if spec.fn == "code":  # refuse now, not on the first batch, if the sandbox cannot start
+                from rewards.sandbox import check_isolation, default_isolation
+
+                check_isolation(spec.kwargs.get("isolation", default_isolation()))
         self._ctx = mp.get_context("spawn")
         self._workers = [_Worker(self._ctx) for _ in range(min(cfg.num_workers, len(cfg.functions)))]
         self.counts = {s.label: {"errors": 0, "timeouts": 0, "nans": 0} for s in cfg.functions}

@@ -1,13 +1,9 @@
-"""Built-in rewards on hand-picked cases, and the code sandbox's containment."""
-
-import os
-from pathlib import Path
+"""Built-in rewards on hand-picked cases (the code sandbox itself: test_sandbox.py)."""
 
 import pytest
 
 from rewards.builtins import (code_reward, exact_match_reward, extract_answer, format_reward,
                               length_reward, math_reward)
-from rewards.sandbox import run_tests
 
 
 @pytest.mark.parametrize("completion,truth,want", [
@@ -56,7 +52,7 @@ def test_length_soft_overlong_penalty():
         [0.0, 0.0, -0.5, -1.0, -1.0]
 
 
-# ---- the sandbox --------------------------------------------------------------------------
+# ---- code --------------------------------------------------------------------------
 ADD = "```python\ndef add(a, b):\n    return a + b\n```"
 
 
@@ -66,48 +62,3 @@ def test_code_passes_and_fails():
     assert code_reward(None, [ADD, wrong], tests=tests) == [1.0, 0.0]
     io = [[{"input": "3\n", "output": "6"}, {"input": "5\n", "output": "10"}]]
     assert code_reward(None, ["print(int(input()) * 2)"], tests=io) == [1.0]
-
-
-def test_code_timeout_is_contained():
-    r = run_tests("while True:\n    pass", ["assert True"], timeout_s=1)
-    assert r.status == "timeout" and r.fraction_passed == 0.0
-
-
-def test_write_outside_directory_is_refused(tmp_path):
-    target = tmp_path / "escaped.txt"
-    r = run_tests(f"open({str(target)!r}, 'w').write('x')", ["assert True"])
-    assert r.fraction_passed == 0.0 and not target.exists()
-    assert "outside the working directory" in r.errors[0]
-    # inside its own directory is fine, and the directory is removed afterwards
-    r = run_tests("import os\nopen('ok.txt', 'w').write('x')\nWD = os.getcwd()",
-                  ["assert open('ok.txt').read() == 'x'"])
-    assert r.fraction_passed == 1.0
-    assert not list(Path("/tmp").glob("posttrain-sandbox-*"))
-
-
-def test_network_is_refused():
-    r = run_tests("import socket\ns = socket.socket()\ns.connect(('127.0.0.1', 22))", ["assert True"])
-    assert r.fraction_passed == 0.0
-
-
-def test_fork_bomb_is_contained():
-    before = len(os.listdir("/proc"))
-    r = run_tests("import os\nwhile True:\n    os.fork()", ["assert True"], timeout_s=2)
-    assert r.fraction_passed == 0.0
-    assert len(os.listdir("/proc")) < before + 5  # no stray processes left behind
-
-
-def test_memory_limit_is_contained():
-    r = run_tests("x = bytearray(4 * 1024**3)", ["assert True"], memory_mb=256)
-    assert r.fraction_passed == 0.0 and "MemoryError" in " ".join(r.errors)
-
-
-def test_no_access_to_parent_secrets(monkeypatch):
-    monkeypatch.setenv("WANDB_API_KEY", "secret-value")
-    r = run_tests("import os\nKEY = os.environ.get('WANDB_API_KEY')", ["assert KEY is None"])
-    assert r.fraction_passed == 1.0
-
-
-def test_process_exit_in_user_code_is_scored():
-    r = run_tests("import os\nos._exit(0)", ["assert True"])
-    assert r.status == "crashed" and r.fraction_passed == 0.0
