@@ -382,13 +382,24 @@ def _world_reachable(path: str) -> bool:
 
 def _prepare_root(prefix: str, bwrap: str) -> tuple[str, str]:
     """A world-readable copy (hard links where the filesystem allows) of the interpreter, its shared
-    library and standard library, without site-packages and the test suite, plus bwrap; made once
-    per process, removed at exit. Needed when the trainer runs as root from a private home."""
-    import atexit
+    library and standard library, without site-packages and the test suite, plus bwrap. Needed when
+    the trainer runs as root from a private home. Built once per machine under the temp dir (named
+    by what it copies, renamed into place atomically) and reused by every process, reward workers
+    included; one found there is used only if this user owns it and nobody else can write it."""
+    import hashlib
 
-    root = tempfile.mkdtemp(prefix="posttrain-sandbox-root-")
-    os.chmod(root, 0o755)
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    key = hashlib.sha1(f"{prefix}|{sys.version}|{bwrap}|{os.stat(bwrap).st_mtime_ns}".encode())
+    final = os.path.join(tempfile.gettempdir(), f"posttrain-sandbox-root-{key.hexdigest()[:12]}")
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    found = os.path.join(final, "bwrap", os.path.relpath(
+        bwrap, os.path.dirname(os.path.dirname(os.path.dirname(bwrap)))))
+    try:
+        st = os.lstat(final)
+        if st.st_uid == os.geteuid() and not st.st_mode & 0o022 and os.path.isfile(found):
+            return os.path.join(final, "prefix"), found
+    except FileNotFoundError:
+        pass
+    root = tempfile.mkdtemp(prefix="posttrain-sandbox-building-")
 
     def link_or_copy(src, dst):
         try:
@@ -396,7 +407,6 @@ def _prepare_root(prefix: str, bwrap: str) -> tuple[str, str]:
         except OSError:
             shutil.copy2(src, dst)
 
-    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     skip = shutil.ignore_patterns("site-packages", "test", "tests", "idlelib", "tkinter",
                                   "turtledemo", "ensurepip")
     copy = os.path.join(root, "prefix")
@@ -422,7 +432,15 @@ def _prepare_root(prefix: str, bwrap: str) -> tuple[str, str]:
         if dirpath.startswith(os.path.join(root, "bwrap")):  # copies; the rest may be hard links
             for f in filenames:
                 os.chmod(os.path.join(dirpath, f), 0o755)
-    return copy, new_bwrap
+    os.chmod(root, 0o755)
+    try:
+        os.rename(root, final)
+    except OSError:  # another process won the race (use its copy), or a stale one is in the way
+        if os.path.isfile(found) and os.lstat(final).st_uid == os.geteuid():
+            shutil.rmtree(root, ignore_errors=True)
+            return os.path.join(final, "prefix"), found
+        return copy, new_bwrap
+    return os.path.join(final, "prefix"), os.path.join(final, os.path.relpath(new_bwrap, root))
 
 
 @functools.lru_cache(maxsize=None)
@@ -472,8 +490,14 @@ def bwrap_argv(limits: Limits, seccomp_fd: int, rt: Runtime) -> list[str]:
 
 def _read_capped(proc: subprocess.Popen, data: bytes, timeout_s: float, cap: int):
     """Write `data` to stdin, read stdout/stderr up to `cap` bytes each; (out, err, timed_out)."""
-    proc.stdin.write(data)
-    proc.stdin.close()
+    try:
+        proc.stdin.write(data)
+        proc.stdin.close()
+    except BrokenPipeError:  # it exited before reading (bwrap refusing to start): read why
+        try:
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
     bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
     sel = selectors.DefaultSelector()
     for f in bufs:
@@ -500,6 +524,9 @@ def _launch(isolation: str, limits: Limits, payload: dict,
     workdir, pass_fds, user = None, (), {}
     if isolation == "os":
         rt = runtime()
+        if not os.path.exists(rt.bwrap):  # the prepared root was removed (a temp-dir cleaner)
+            runtime.cache_clear()
+            rt = runtime()
         seccomp = os.memfd_create("posttrain-seccomp")
         os.write(seccomp, seccomp_filter())
         os.lseek(seccomp, 0, 0)
@@ -605,7 +632,10 @@ def run_tests(code: str, tests: list, *, timeout_s: float = 5.0, memory_mb: int 
     try:
         results = ast.literal_eval(out.decode())  # plain literals only, never code
         assert isinstance(results, list) and len(results) == len(tests)
-    except (ValueError, SyntaxError, AssertionError, MemoryError, RecursionError, TypeError):  # the harness was killed (by the code, or at the wall limit)
+    except (ValueError, SyntaxError, AssertionError, MemoryError, RecursionError, TypeError):
+        if err.startswith(b"bwrap:"):  # the sandbox itself did not start: loud, never a silent 0
+            raise RuntimeError(f"the code sandbox failed to start: {err.decode(errors='replace')}")
+        # the harness was killed (by the code, or at the wall limit)
         status = "timeout" if timed_out or rc in (-signal.SIGXCPU, -signal.SIGKILL) else "crashed"
         return SandboxResult(0, len(tests), status, [err.decode(errors="replace")[-300:]])
     whys = [judge(t, why, stdout) for t, (why, stdout) in zip(tests, results)]

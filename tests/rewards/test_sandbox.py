@@ -319,6 +319,32 @@ def test_spawned_processes_stay_inside_and_die_with_the_call(route, hook, victim
     assert not host_processes_with(marker)
 
 
+def test_a_killed_trainer_leaves_nothing_running(tmp_path):
+    """SIGKILL the process that runs the sandbox (a trainer dying mid-call): the sandbox and the
+    SIGTERM-ignoring daemon it started die with it."""
+    marker = "posttrain-marker-" + uuid.uuid4().hex[:8]
+    code = ("import subprocess, time\n"
+            f"subprocess.Popen(['/bin/sh', '-c', \"trap '' TERM HUP; sleep 60; : {marker}\"], "
+            "start_new_session=True)\ntime.sleep(60)")
+    script = tmp_path / "trainer.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parents[2])!r})\n"
+                      "from rewards.sandbox import run_tests\n"
+                      f"run_tests({code!r}, ['assert True'], timeout_s=60, audit_hook=False)\n")
+    trainer = subprocess.Popen([sys.executable, str(script)])
+    for _ in range(100):
+        if host_processes_with(marker):
+            break
+        time.sleep(0.1)
+    assert host_processes_with(marker), "the daemon never started"
+    trainer.kill()
+    trainer.wait()
+    for _ in range(50):
+        if not host_processes_with(marker):
+            break
+        time.sleep(0.1)
+    assert not host_processes_with(marker)
+
+
 @HOOK
 def test_double_forked_daemon_cannot_outlive_its_test(hook):
     """A setsid'd grandchild that ignores SIGTERM is killed between tests, so it cannot do the next
@@ -518,6 +544,22 @@ def test_refuses_with_the_cause_and_fix_when_bubblewrap_cannot_start(monkeypatch
             RewardPool(RewardsSection(functions=[{"fn": "code", "kwargs": {"isolation": "process"}}])).close()
     finally:
         sb.unavailable_reason.cache_clear()
+
+
+def test_a_sandbox_that_stops_starting_mid_run_is_an_error_not_a_zero(monkeypatch, tmp_path):
+    """Availability was checked at start-up; if bwrap later fails (a changed sysctl, a removed
+    binary), every completion scoring 0 would look like a slow learner: it raises instead, which
+    the reward pool counts as an error."""
+    import rewards.sandbox as sb
+
+    assert sb.unavailable_reason() is None
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: setting up uid map: Permission denied' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    real = sb.runtime()
+    monkeypatch.setattr(sb, "runtime", lambda: dataclasses.replace(real, bwrap=str(fake), run_as=None))
+    with pytest.raises(RuntimeError, match="failed to start: bwrap: setting up uid map"):
+        run_tests("pass", ["assert True"])
 
 
 def test_reward_pool_scores_hostile_and_honest_code_side_by_side(victim):
