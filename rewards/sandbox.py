@@ -138,6 +138,7 @@ _RET_ALLOW, _RET_KILL_PROCESS, _RET_ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
 _X32_SYSCALL_BIT = 0x40000000
 
 
+@functools.lru_cache(maxsize=None)
 def seccomp_filter(arch: str | None = None) -> bytes:
     """The sandbox's seccomp program as the raw `struct sock_filter[]` that `bwrap --seccomp` reads.
 
@@ -456,7 +457,12 @@ def runtime() -> Runtime:
     if not os.access(exe, os.X_OK):
         exe = os.path.realpath(sys.executable)
     dirs = {prefix, os.path.dirname(exe)}
-    binds = tuple((d, d) for d in sorted(dirs) if not (d == "/usr" or d.startswith("/usr/")))
+
+    def covered(d: str) -> bool:  # by the /usr bind or by another of these directories
+        return any(d == top or d.startswith(top + os.sep) for top in ({"/usr"} | dirs) - {d}) \
+            or d == "/usr"
+
+    binds = tuple((d, d) for d in sorted(dirs) if not covered(d))
     if os.geteuid() != 0:
         return Runtime(bwrap, exe, binds)
     if all(_world_reachable(p) for p in (bwrap, exe, *dirs)):
@@ -518,9 +524,12 @@ def _read_capped(proc: subprocess.Popen, data: bytes, timeout_s: float, cap: int
     return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), timed_out
 
 
-def _launch(isolation: str, limits: Limits, payload: dict,
+def _launch(isolation: str, limits: Limits, code: str, tests: list, audit_hook: bool,
             cap: int = 65536) -> tuple[bytes, bytes, bool, int]:
-    """Start the harness in the chosen containment and collect what it prints."""
+    """Start the harness on `code` and `tests` (as the sandbox may see them) in the chosen
+    containment and collect what it prints: (stdout, stderr, timed out, exit status)."""
+    payload = {"code": code, "tests": tests, "limits": asdict(limits), "audit_hook": audit_hook,
+               "own_pid_namespace": isolation == "os"}
     workdir, pass_fds, user = None, (), {}
     if isolation == "os":
         rt = runtime()
@@ -538,11 +547,14 @@ def _launch(isolation: str, limits: Limits, payload: dict,
         argv, cwd = [os.path.realpath(sys.executable), "-I", "-S", "-B"], workdir
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
     try:
-        proc = subprocess.Popen(argv + ["-c", HARNESS], cwd=cwd, env=env, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, pass_fds=pass_fds, **user)
-        for fd in pass_fds:
-            os.close(fd)
+        try:
+            proc = subprocess.Popen(argv + ["-c", HARNESS], cwd=cwd, env=env,
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True,
+                                    pass_fds=pass_fds, **user)
+        finally:
+            for fd in pass_fds:
+                os.close(fd)
         out, err, timed_out = _read_capped(proc, marshal.dumps(payload),
                                            limits.wall_s + 2.0, cap)
         try:
@@ -566,9 +578,7 @@ def unavailable_reason() -> str | None:
                 f"Run the trainer on Linux, or opt into the weaker in-process containment with "
                 f"the code reward's `isolation: process`")
     try:
-        out, err, _, rc = _launch("os", Limits(wall_s=10.0), {"code": "", "tests": ["pass"],
-                                  "limits": asdict(Limits(wall_s=10.0)), "audit_hook": True,
-                                  "own_pid_namespace": True})
+        out, err, _, rc = _launch("os", Limits(wall_s=10.0), "", ["pass"], True)
     except SandboxUnavailable as e:
         return str(e)
     if rc == 0 and out.startswith(b"[(None, None)]"):
@@ -593,10 +603,14 @@ def default_isolation() -> str:
     return inspect.signature(code_reward).parameters["isolation"].default
 
 
+def _check_name(isolation: str) -> None:
+    if isolation not in ISOLATIONS:  # never a silent fallback to the weaker containment
+        raise UserError(f"code sandbox isolation {isolation!r}: expected one of {list(ISOLATIONS)}")
+
+
 def check_isolation(isolation: str) -> None:
     """Refuse (isolation="os" on a machine where it cannot start) or warn (isolation="process")."""
-    if isolation not in ISOLATIONS:
-        raise UserError(f"code sandbox isolation {isolation!r}: expected one of {list(ISOLATIONS)}")
+    _check_name(isolation)
     if isolation == "os":
         reason = unavailable_reason()
         if reason:
@@ -620,14 +634,13 @@ def run_tests(code: str, tests: list, *, timeout_s: float = 5.0, memory_mb: int 
     tests = list(tests or [])
     if not tests:
         return SandboxResult(0, 0, "ok", ["no tests"])
+    _check_name(isolation)
     if isolation == "os" and (reason := unavailable_reason()):
         raise SandboxUnavailable(reason)
     limits = limits or Limits(wall_s=timeout_s, cpu_s=max(1, int(timeout_s)), memory_mb=memory_mb)
     # The sandbox gets each stdin/stdout test's input only; its output is compared here.
     sent = [{"input": str(t.get("input", ""))} if isinstance(t, dict) else str(t) for t in tests]
-    payload = {"code": code, "tests": sent, "limits": asdict(limits), "audit_hook": audit_hook,
-               "own_pid_namespace": isolation == "os"}
-    out, err, timed_out, rc = _launch(isolation, limits, payload,
+    out, err, timed_out, rc = _launch(isolation, limits, code, sent, audit_hook,
                                       cap=8 * len(tests) * limits.output_kb * 1024 + 65536)
     try:
         results = ast.literal_eval(out.decode())  # plain literals only, never code

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.errors import UserError
 from rewards.sandbox import (DENIED, SYSCALLS, Limits, SandboxUnavailable, SandboxWarning,
                              check_isolation, run_many, run_tests, seccomp_filter)
 
@@ -256,7 +257,6 @@ def test_network_is_unreachable(family, hook):
         name = "\0posttrain-test-" + token
         server.bind(name)
         server.listen()
-        target = f"socket.socket(socket.AF_UNIX); s.connect({name!r})"
         target = f"(lambda s: (s.connect({name!r}), s)[1])(socket.socket(socket.AF_UNIX))"
     elif family == "udp_internet":
         target = "(lambda s: (s.sendto(b'x', ('8.8.8.8', 53)), s)[1])(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))"
@@ -349,11 +349,6 @@ def test_a_killed_trainer_leaves_nothing_running(tmp_path):
 def test_double_forked_daemon_cannot_outlive_its_test(hook):
     """A setsid'd grandchild that ignores SIGTERM is killed between tests, so it cannot do the next
     test's work for it (here: create the file the second test checks for)."""
-    code = """
-    import os, signal, time
-    if not os.path.exists('flag-check'):
-        open('flag-check', 'w').close()
-    """
     first = """
     import ctypes, os, signal, time
     libc = ctypes.CDLL(None)
@@ -368,7 +363,7 @@ def test_double_forked_daemon_cannot_outlive_its_test(hook):
     assert False
     """
     second = "import os, time; time.sleep(1.0); assert os.path.exists('/tmp/daemon-was-here')"
-    r = run_tests(textwrap.dedent(code), [textwrap.dedent(first), second], audit_hook=hook)
+    r = run_tests("", [textwrap.dedent(first), second], audit_hook=hook)
     assert r.fraction_passed == 0.0, r
 
 
@@ -510,8 +505,10 @@ def test_run_many_in_parallel_keeps_order():
 def test_process_isolation_warns_and_unknown_isolation_fails():
     with pytest.warns(SandboxWarning, match="isolation=process"):
         check_isolation("process")
-    with pytest.raises(Exception, match="expected one of"):
+    with pytest.raises(UserError, match="expected one of"):
         check_isolation("none")
+    with pytest.raises(UserError, match="expected one of"):  # no silent fallback to the weak mode
+        run_tests("pass", ["assert True"], isolation="OS")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_isolation("os")
