@@ -230,6 +230,10 @@ class GRPOSection(Strict):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
+    logprob_semantics: Literal["sampled", "full"] = Field("sampled", description=(
+        "under top_p/top_k: 'sampled' = log-probs of the truncated, renormalised distribution "
+        "the engine sampled from (trainer replays the engine's kept set); 'full' = the whole "
+        "softmax everywhere (gradient of the untruncated policy)"))
     stop: list[str] = []
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
     loss: Literal["token_clip", "gspo", "gspo_token"] = "token_clip"

@@ -50,7 +50,7 @@ from posttrain.train.checkpoint import (
 )
 from posttrain.train.loop import create_model, prepare_tokenizer, resolve_model_config
 from posttrain.train.optimizer import init_opt_state, lr_schedule, make_optimizer
-from posttrain.train.step import TrainState, make_train_step, token_logprobs
+from posttrain.train.step import TrainState, make_train_step
 
 
 # ---- prompts -----------------------------------------------------------------------------------
@@ -136,6 +136,7 @@ def build_batch(rollouts, advantages: np.ndarray, seq_len: int) -> dict[str, np.
     seg = np.zeros((b, seq_len), np.int32)
     mask = np.zeros((b, seq_len), np.float32)
     lp_roll = np.zeros((b, seq_len), np.float32)
+    kept = np.zeros((b, seq_len), np.int32)  # 0: the whole vocabulary
     for i, r in enumerate(rollouts):
         ids = (r.prompt_token_ids + r.token_ids)[:seq_len]
         n, p = len(ids), len(r.prompt_token_ids)
@@ -144,11 +145,12 @@ def build_batch(rollouts, advantages: np.ndarray, seq_len: int) -> dict[str, np.
         k = max(0, n - p)
         mask[i, p - 1:p - 1 + k] = 1.0
         lp_roll[i, p - 1:p - 1 + k] = r.logprobs[:k]
+        kept[i, p - 1:p - 1 + min(k, len(r.kept_counts))] = r.kept_counts[:k]
     targets = np.zeros_like(tokens)
     targets[:, :-1] = tokens[:, 1:]
     pos = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (b, seq_len)).copy()
     return {"tokens": tokens, "targets": targets, "positions": pos, "segment_ids": seg,
-            "loss_mask": mask, "logp_rollout": lp_roll,
+            "loss_mask": mask, "logp_rollout": lp_roll, "kept_counts": kept,
             "advantages": advantages.astype(np.float32)}
 
 
@@ -165,7 +167,7 @@ def make_loss_fn(cfg: RunConfig):
         logits, router = model(batch["tokens"], batch["positions"], batch["segment_ids"],
                                with_router_losses=True)
         logits = logits / g.temperature
-        logp = token_logprobs(logits, batch["targets"])
+        logp, log_mass = trainer_logprobs(g, logits, batch)
         logp_old = batch["logp_old"] if "logp_old" in batch else jax.lax.stop_gradient(logp)
         mask = batch["loss_mask"]
         per_tok, aux = policy(logp, logp_old, batch["advantages"], mask, clip_low, clip_high,
@@ -175,6 +177,8 @@ def make_loss_fn(cfg: RunConfig):
         if "logp_old" not in batch:
             aux["rows/logp"] = logp_old
         n_tok = jnp.maximum(mask.sum(), 1)
+        if log_mass is not None:  # how much of the policy top-k / top-p leaves to sample from
+            aux["sampling/kept_mass"] = (jnp.exp(log_mass) * mask).sum() / n_tok
         if g.beta > 0:
             k = kl(logp, batch["logp_ref"])
             per_tok = per_tok + g.beta * k
@@ -189,11 +193,20 @@ def make_loss_fn(cfg: RunConfig):
     return loss_fn
 
 
-def make_logprob_fn(graphdef, temperature: float):
+def trainer_logprobs(g, logits_btv, batch):
+    """Log-probs of the batch's tokens under `grpo.logprob_semantics` (logits temperature-scaled),
+    replaying the kept counts the engine reported; see `posttrain.algorithms.grpo`."""
+    return G.policy_logprobs(logits_btv, batch["targets"], batch["kept_counts"],
+                             g.logprob_semantics, g.top_k, g.top_p)
+
+
+def make_logprob_fn(graphdef, g):
+    """Jitted (params, frozen, batch) -> per-token log-probs of the policy `params` (the old or
+    the reference policy) under the run's semantics; `g` is the run's `grpo` section."""
     def f(params, frozen, batch):
         model = nnx.merge(graphdef, params, frozen)
-        logits = model(batch["tokens"], batch["positions"], batch["segment_ids"]) / temperature
-        return token_logprobs(logits, batch["targets"])
+        logits = model(batch["tokens"], batch["positions"], batch["segment_ids"]) / g.temperature
+        return trainer_logprobs(g, logits, batch)[0]
 
     return jax.jit(f)
 
@@ -325,7 +338,7 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
         step_fn = jax.jit(make_train_step(graphdef, optimizer, loss_fn, t.grad_accum,
                                           lr_schedule(cfg.optimizer, t.steps)),
                           donate_argnums=0, out_shardings=(state_sh, None))
-        logprob_fn = make_logprob_fn(graphdef, g.temperature)
+        logprob_fn = make_logprob_fn(graphdef, g)
         # One update per batch: pi_old is the policy being updated, computed in the update's
         # own forward (a whole forward pass less per step).
         fused_logprob = g.mu == 1 and g.mini_batches == 1
@@ -355,6 +368,7 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
             times: dict = {}
             sp = SamplingParams(n=g.group_size, temperature=g.temperature, top_p=g.top_p,
                                 top_k=g.top_k, max_tokens=g.max_tokens, stop=tuple(g.stop),
+                                logprobs=g.logprob_semantics,
                                 seed=cfg.seed * 1_000_003 + step * 101)
             rollouts, all_rewards, adv_mask, scores, attempts = sample_groups(
                 cfg, engine, pool, prompts, tokenizer, sp, times)

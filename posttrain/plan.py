@@ -349,6 +349,7 @@ def compile_train_step(cfg, mc, devices) -> dict:
             batch.update({k: jax.ShapeDtypeStruct((rows, tl), jnp.float32, sharding=b2)
                           for k in ("logp_old", "logp_rollout")})
             batch["advantages"] = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=b1)
+            batch["kept_counts"] = jax.ShapeDtypeStruct((rows, tl), jnp.int32, sharding=b2)
             if cfg.grpo.beta > 0:
                 batch["logp_ref"] = jax.ShapeDtypeStruct((rows, tl), jnp.float32, sharding=b2)
         state_sh = jax.tree.map(lambda x: x.sharding, state)

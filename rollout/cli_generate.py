@@ -40,7 +40,7 @@ def run_generate(args) -> int:
     else:
         ids = [tok(x, add_special_tokens=False)["input_ids"] for x in prompts]
     sp = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                        max_tokens=args.max_tokens, seed=args.seed)
+                        max_tokens=args.max_tokens, seed=args.seed, logprobs=args.logprobs)
     # Engines (vLLM) log to stdout; keep stdout for the JSON lines only.
     import os
 
@@ -56,6 +56,7 @@ def run_generate(args) -> int:
     for r in rollouts:
         sys.stdout.write(json.dumps({"prompt": prompts[r.prompt_index], "completion": r.text,
                                      "token_ids": r.token_ids, "logprobs": r.logprobs,
+                                     "kept_counts": r.kept_counts,
                                      "finish_reason": r.finish_reason}) + "\n")
     return 0
 
@@ -92,6 +93,9 @@ def add_parser(sub) -> None:
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--logprobs", choices=("sampled", "full"), default="sampled",
+                   help="log-probs of the truncated distribution sampled from, or of the whole "
+                        "softmax (differ only under --top-p / --top-k)")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat turn")

@@ -1,8 +1,11 @@
 """The one interface every rollout engine implements, and the records it returns.
 
-An engine turns prompt token ids into `Rollout`s: completion token ids, the per-token logprobs of
-the distribution actually sampled from (after temperature / top-k / top-p), the text, why it
-stopped, and the policy version whose weights produced it. `update_weights(weights, version)`
+An engine turns prompt token ids into `Rollout`s: completion token ids, the per-token logprobs
+under the semantics the call asks for (`SamplingParams.logprobs`: "sampled", the truncated and
+renormalised distribution actually sampled from after temperature / top-k / top-p; "full", the
+temperature-scaled softmax over the whole vocabulary), the kept count per token (how many tokens
+top-k / top-p left at that position, so that the trainer can rebuild the same kept set), the
+text, why it stopped, and the policy version whose weights produced it. `update_weights(weights, version)`
 installs new weights; the engine then reports that version on every rollout it makes.
 """
 
@@ -24,12 +27,20 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False  # generate max_tokens regardless of EOS (benchmarks, length probes)
+    logprobs: str = "sampled"  # "sampled" (truncated, renormalised) | "full" (whole softmax)
 
     def __post_init__(self):
         if self.n < 1 or self.max_tokens < 1:
             raise ValueError("n and max_tokens must be >= 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ValueError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+        if self.logprobs not in ("sampled", "full"):
+            raise ValueError(f"logprobs must be 'sampled' or 'full', not {self.logprobs!r}")
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k / top-p can drop tokens (otherwise both semantics coincide)."""
+        return self.top_k > 0 or self.top_p < 1.0
 
 
 @dataclass
@@ -42,6 +53,8 @@ class Rollout:
     finish_reason: str  # "stop" | "length"
     version: int
     extra: dict[str, Any] = field(default_factory=dict)
+    # per completion token: tokens kept by top-k / top-p there (empty: the whole vocabulary)
+    kept_counts: list[int] = field(default_factory=list)
 
 
 class RolloutEngine(Protocol):
@@ -54,20 +67,18 @@ class RolloutEngine(Protocol):
         """Install new weights; returns sync metrics (bytes, seconds)."""
 
 
-def apply_stop_strings(text_of, token_ids: list[int], logprobs: list[float], stop: Sequence[str],
-                       finish: str) -> tuple[list[int], list[float], str, str]:
-    """Cut a completion at the first stop string (the string itself excluded from the text, as
-    vLLM does; the tokens that produced it are kept so the trainer sees what was sampled)."""
+def stop_string_cut(text_of, token_ids: list[int], stop: Sequence[str]) -> tuple[int, str] | None:
+    """Where a completion ends at its first stop string: (number of tokens kept, text), or None
+    when no stop string occurs. The string itself is left out of the text, as vLLM does; the
+    tokens that produced it are kept so the trainer sees what was sampled."""
     text = text_of(token_ids)
-    if not stop:
-        return token_ids, logprobs, text, finish
     hits = [(text.find(s), s) for s in stop if s and text.find(s) >= 0]
     if not hits:
-        return token_ids, logprobs, text, finish
+        return None
     cut = min(h[0] for h in hits)
     # smallest token prefix whose text reaches the stop string's end
     end = cut + min(len(s) for pos, s in hits if pos == cut)
     for k in range(1, len(token_ids) + 1):
         if len(text_of(token_ids[:k])) >= end:
-            return token_ids[:k], logprobs[:k], text[:cut], "stop"
-    return token_ids, logprobs, text[:cut], "stop"
+            return k, text[:cut]
+    return len(token_ids), text[:cut]

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from posttrain.models.transformer import CausalLM, KVCache
-from rollout.engine import Rollout, SamplingParams, apply_stop_strings
+from rollout.engine import Rollout, SamplingParams, stop_string_cut
 from rollout.sampling import sample
 
 
@@ -32,7 +32,7 @@ def bucket_mult(n: int, m: int = 32) -> int:
 
 
 @partial(jax.jit, static_argnames=("graphdef", "gen_len"))
-def _generate(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p, max_new,
+def _generate(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p, full, max_new,
               stop_ids, gen_len: int):
     model = nnx.merge(graphdef, state)
     b, tp = tokens_bt.shape
@@ -43,26 +43,28 @@ def _generate(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p
     last = jnp.take_along_axis(logits, (lens_b - 1)[:, None, None], axis=1)[:, 0]
 
     def cond(c):
-        i, _, _, _, _, done, _ = c
+        i, done = c[0], c[-2]
         return (i < max_new) & ~jnp.all(done)
 
     def body(c):
-        i, cache, cur, out_t, out_lp, done, n = c
-        tok, lp = sample(jax.random.fold_in(key, i), cur, temperature, top_k, top_p)
+        i, cache, cur, out_t, out_lp, out_k, done, n = c
+        tok, lp, kept = sample(jax.random.fold_in(key, i), cur, temperature, top_k, top_p, full)
         tok = jnp.where(done, 0, tok).astype(jnp.int32)
         out_t = out_t.at[:, i].set(tok)
         out_lp = out_lp.at[:, i].set(jnp.where(done, 0.0, lp))
+        out_k = out_k.at[:, i].set(kept)
         n = n + (~done).astype(jnp.int32)
         hit_stop = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
         done = done | hit_stop | (i + 1 >= max_new)
         logits, cache = model(tok[:, None], (lens_b + i)[:, None],
                               jnp.ones((b, 1), jnp.int32), cache=cache)
-        return i + 1, cache, logits[:, 0], out_t, out_lp, done, n
+        return i + 1, cache, logits[:, 0], out_t, out_lp, out_k, done, n
 
     init = (jnp.int32(0), cache, last, jnp.zeros((b, gen_len), jnp.int32),
-            jnp.zeros((b, gen_len), jnp.float32), jnp.zeros((b,), bool), jnp.zeros((b,), jnp.int32))
-    _, _, _, out_t, out_lp, _, n = jax.lax.while_loop(cond, body, init)
-    return out_t, out_lp, n
+            jnp.zeros((b, gen_len), jnp.float32), jnp.zeros((b, gen_len), jnp.int32),
+            jnp.zeros((b,), bool), jnp.zeros((b,), jnp.int32))
+    _, _, _, out_t, out_lp, out_k, _, n = jax.lax.while_loop(cond, body, init)
+    return out_t, out_lp, out_k, n
 
 
 class JaxEngine:
@@ -121,18 +123,25 @@ class JaxEngine:
         stop_ids[: len(stop)] = stop
         seed = params.seed if params.seed is not None else self._seed * 1_000_003 + self._calls
         self._calls += 1
-        out_t, out_lp, n = jax.device_get(_generate(
+        out_t, out_lp, out_k, n = jax.device_get(_generate(
             self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(lens), jax.random.key(seed),
             jnp.float32(params.temperature), jnp.int32(params.top_k), jnp.float32(params.top_p),
-            jnp.int32(params.max_tokens), jnp.asarray(stop_ids), gen_len=gen_len))
+            jnp.bool_(params.logprobs == "full"), jnp.int32(params.max_tokens),
+            jnp.asarray(stop_ids), gen_len=gen_len))
         out = []
         stop_set = set(stop)
         for i, r in enumerate(rows):
             k = int(n[i])
-            ids, lps = out_t[i, :k].tolist(), out_lp[i, :k].tolist()
+            ids = out_t[i, :k].tolist()
             finish = "stop" if k and ids[-1] in stop_set else "length"
-            ids, lps, text, finish = apply_stop_strings(self.decode, ids, lps, params.stop, finish)
-            out.append(Rollout(i // params.n, r, ids, lps, text, finish, self.version))
+            cut = stop_string_cut(self.decode, ids, params.stop) if params.stop else None
+            if cut is None:
+                text = self.decode(ids)
+            else:
+                (k, text), finish = cut, "stop"
+                ids = ids[:k]
+            out.append(Rollout(i // params.n, r, ids, out_lp[i, :k].tolist(), text, finish,
+                               self.version, kept_counts=out_k[i, :k].tolist()))
         return out
 
     def decode(self, ids: list[int]) -> str:

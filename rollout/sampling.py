@@ -1,8 +1,16 @@
 """Token sampling from logits: temperature, top-k, top-p (nucleus), greedy; jit-friendly.
 
 All parameters may be traced scalars, so one compiled decode loop serves every setting.
-`process_logits` returns the logits of the distribution actually sampled from; the logprob of the
-sampled token under it is what the engine reports (vLLM's `processed_logprobs`).
+`process_logits` returns the logits of the distribution actually sampled from. `sample` reports,
+per sampled token, its log-prob under the run's semantics (`full=False`: the truncated,
+renormalised distribution it was drawn from, vLLM's `processed_logprobs`; `full=True`: the
+temperature-scaled full softmax) and the kept count: how many tokens survived top-k / top-p at
+that position, which the trainer replays to rebuild the same kept set
+(`posttrain.algorithms.grpo.kept_set_logprobs`).
+
+Tie rule: both cuts compare values, so every token tied with the last one kept is kept too (the
+kept set never depends on the order of a sort). vLLM cuts top-p by sorted position instead and may
+keep only some of the tied tokens; replaying the kept count makes the trainer exact for either.
 """
 
 from __future__ import annotations
@@ -30,18 +38,20 @@ def process_logits(logits_bv: jax.Array, temperature, top_k, top_p) -> jax.Array
     return jnp.where(x >= cutoff, x, NEG)
 
 
-def sample(key, logits_bv: jax.Array, temperature, top_k, top_p) -> tuple[jax.Array, jax.Array]:
-    """(tokens [B], logprobs [B]) — greedy when temperature == 0 (logprob of the raw softmax).
-    The sort behind top-k / top-p only runs when one of them is active."""
-    filtering = (top_k > 0) | (top_p < 1.0)
-    processed = jax.lax.cond(
-        filtering, lambda x: process_logits(x, temperature, top_k, top_p),
-        lambda x: x.astype(jnp.float32) / jnp.maximum(temperature, 1e-6), logits_bv)
+def sample(key, logits_bv: jax.Array, temperature, top_k, top_p, full=False
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(tokens [B], logprobs [B], kept counts [B]). Greedy when temperature == 0 (log-prob of
+    the raw softmax, the whole vocabulary kept). The sort behind top-k / top-p only runs when
+    one of them is active."""
+    v = logits_bv.shape[-1]
+    scaled = logits_bv.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+    filtering = (jnp.asarray(top_k) > 0) | (jnp.asarray(top_p) < 1.0)  # arrays: `~` is logical
+    processed = jax.lax.cond(filtering, lambda x: process_logits(x, temperature, top_k, top_p),
+                             lambda x: scaled, logits_bv)
     sampled = jax.random.categorical(key, processed, axis=-1)
-    greedy = jnp.argmax(logits_bv, axis=-1)
     is_greedy = temperature <= 0
-    tok = jnp.where(is_greedy, greedy, sampled)
-    lp_proc = jax.nn.log_softmax(processed, axis=-1)
-    lp_raw = jax.nn.log_softmax(logits_bv.astype(jnp.float32), axis=-1)
-    lp = jnp.where(is_greedy, lp_raw, lp_proc)
-    return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+    tok = jnp.where(is_greedy, jnp.argmax(logits_bv, axis=-1), sampled)
+    lp = jnp.where(is_greedy, jax.nn.log_softmax(logits_bv.astype(jnp.float32), axis=-1),
+                   jax.nn.log_softmax(jnp.where(full, scaled, processed), axis=-1))
+    kept = jnp.where(is_greedy | ~filtering, v, (processed > NEG / 2).sum(-1))
+    return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0], kept.astype(jnp.int32)

@@ -3,9 +3,20 @@
 The engine is a `vllm.LLM` over an HF directory (ours: `converters.export.save_hf`). After an
 update, new tensors go straight into the loaded model through
 `llm.collective_rpc(lambda worker: worker.model_runner.reload_weights(weights_iterator=...))`
--- never a reload from disk -- then the prefix cache is reset so no stale KV is reused. Logprobs
-are vLLM's `processed_logprobs`: those of the distribution actually sampled from. On GPUs with
-the trainer in another process, vLLM's own weight-transfer engines (NCCL / IPC) take this role.
+-- never a reload from disk -- then the prefix cache is reset so no stale KV is reused. On GPUs
+with the trainer in another process, vLLM's own weight-transfer engines (NCCL / IPC) take this
+role.
+
+Log-probs follow the call's semantics (`SamplingParams.logprobs`), and each token carries the
+kept count (how many tokens top-k / top-p left) that the trainer replays. vLLM's own
+`logprobs_mode` cannot give both: `processed_logprobs` is the truncated distribution, and
+`raw_logprobs` is taken before temperature (the full softmax only at temperature 1), and neither
+reports the kept set. So the engine runs in `processed_logprobs` mode and `_install_semantics`
+wraps two pieces of the worker's sampler (vLLM 0.32's `Sampler.topk_topp_sampler` and
+`Sampler.gather_logprobs`): the first also returns the temperature-scaled full log-softmax when
+"full" is asked for and counts the finite processed log-probs (the kept set), the second puts
+that count in the slot vLLM fills with the sampled token's rank (`logprobs=0` asks for no
+other). The sampling itself is untouched.
 """
 
 from __future__ import annotations
@@ -36,6 +47,8 @@ class VllmEngine:
                        **({"enable_expert_parallel": True} if enable_expert_parallel else {}))
         self.tokenizer = self.llm.get_tokenizer()
         self.version = version
+        self.llm.collective_rpc(_install_semantics)
+        self._full = False
 
     def update_weights(self, weights: Mapping[str, object], version: int) -> dict[str, float]:
         """`weights`: HF tensor name -> array (numpy, torch, or JAX: taken through DLPack, no copy
@@ -64,6 +77,9 @@ class VllmEngine:
         # need it; otherwise the texts are decoded here in one batch. Logprobs come flat (one
         # list per request instead of a dict per token).
         detok = bool(params.stop)
+        if (params.logprobs == "full") != self._full:
+            self._full = params.logprobs == "full"
+            self.llm.collective_rpc(_set_full_logprobs, args=(self._full,))
         sp = VSP(n=params.n, temperature=params.temperature, top_p=params.top_p,
                  top_k=params.top_k if params.top_k > 0 else -1, max_tokens=params.max_tokens,
                  stop_token_ids=list(params.stop_token_ids), stop=list(params.stop),
@@ -78,25 +94,79 @@ class VllmEngine:
         rollouts = []
         for (i, c), text in zip(done, texts):
             ids = list(c.token_ids)
-            rollouts.append(Rollout(i, list(prompt_token_ids[i]), ids, _sampled_logprobs(c.logprobs, ids),
-                                    text, "stop" if c.finish_reason == "stop" else "length",
-                                    self.version))
+            lps, kept = _sampled_logprobs(c.logprobs, ids)
+            rollouts.append(Rollout(i, list(prompt_token_ids[i]), ids, lps, text,
+                                    "stop" if c.finish_reason == "stop" else "length",
+                                    self.version, kept_counts=kept))
         return rollouts
 
 
-def _sampled_logprobs(flat, ids: list[int]) -> list[float]:
-    """The sampled token's logprob at each position of a `FlatLogprobs` (logprobs=0: vLLM keeps
-    exactly the sampled token per position)."""
+def _sampled_logprobs(flat, ids: list[int]) -> tuple[list[float], list[int]]:
+    """The sampled token's logprob and kept count at each position of a `FlatLogprobs`
+    (logprobs=0: vLLM keeps exactly the sampled token per position; the rank slot carries the
+    kept count, see `_install_semantics`)."""
     if not flat:
-        return []
-    out = []
+        return [], []
+    lps, kept = [], []
     for pos, tok in enumerate(ids):
         j = flat.start_indices[pos]
         if flat.token_ids[j] != tok:
             raise RuntimeError(f"vLLM logprob at position {pos} is for token {flat.token_ids[j]}, "
                                f"not the sampled {tok}")
-        out.append(float(flat.logprobs[j]))
-    return out
+        lps.append(float(flat.logprobs[j]))
+        kept.append(int(flat.ranks[j]))
+    return lps, kept
+
+
+def _install_semantics(worker) -> None:
+    """Runs in each vLLM worker: wrap the sampler so that it reports log-probs under the run's
+    semantics and the kept count per sampled token (see the module docstring)."""
+    import torch
+
+    sampler = worker.model_runner.sampler
+    if getattr(sampler, "_posttrain_semantics", None) is not None:
+        return
+    inner = getattr(sampler, "topk_topp_sampler", None)
+    if inner is None or not hasattr(sampler, "gather_logprobs") or \
+            sampler.logprobs_mode != "processed_logprobs":
+        import vllm
+
+        raise RuntimeError(f"vLLM {vllm.__version__}: the sampler no longer has the "
+                           "topk_topp_sampler / gather_logprobs pieces posttrain wraps to report "
+                           "log-probs under a stated semantics; pin the vLLM version in "
+                           "pyproject.toml or port rollout/vllm_engine.py:_install_semantics")
+
+    class Semantics(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.full, self.kept = inner, False, None
+
+        def forward(self, logits, generators, k, p):
+            # the logits arrive temperature-scaled; `inner` may mask them in place
+            full = logits.log_softmax(dim=-1, dtype=torch.float32) if self.full else None
+            sampled, processed = self.inner(logits, generators, k, p)
+            self.kept = None if processed is None else torch.isfinite(processed).sum(-1)
+            return sampled, (full if self.full else processed)
+
+    wrapper = Semantics(inner)
+    original_gather = sampler.gather_logprobs
+
+    def gather_logprobs(logprobs, num_logprobs, token_ids):
+        out = original_gather(logprobs, num_logprobs, token_ids=token_ids)
+        kept = wrapper.kept
+        wrapper.kept = None
+        if kept is None or kept.shape[0] != logprobs.shape[0]:  # greedy: nothing was cut
+            kept = torch.full((logprobs.shape[0],), logprobs.shape[-1], dtype=torch.int64,
+                              device=logprobs.device)
+        return out._replace(selected_token_ranks=kept.to(out.selected_token_ranks.dtype))
+
+    sampler.topk_topp_sampler = wrapper
+    sampler.gather_logprobs = gather_logprobs
+    sampler._posttrain_semantics = wrapper
+
+
+def _set_full_logprobs(worker, full: bool) -> None:
+    worker.model_runner.sampler._posttrain_semantics.full = full
 
 
 def _refresh_embedding_gemms(model) -> None:

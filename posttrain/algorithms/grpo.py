@@ -28,6 +28,22 @@ accumulation over micro-batches equals the full batch:
 KL to the reference policy (d = logp_ref - logp), added as beta * KL per token:
   k1 = -d     k2 = d^2 / 2     k3 = exp(d) - d - 1   (Schulman's estimators; k3 unbiased, >= 0)
 
+Log-prob semantics under top-k / top-p (`grpo.logprob_semantics`). The engine samples y_t from
+the truncated policy pi^S(y) = pi(y) / pi(S_t) for y in S_t, the kept set that top-k and top-p
+leave at position t (pi with temperature applied). Two consistent choices:
+  sampled (default)  every log-prob is log pi^S: logp = z_y - logsumexp_{S_t} z (z = logits / T),
+      in the trainer, the engine, the ratio, TIS and the mismatch metrics. On-policy this is
+      exactly REINFORCE on the truncated policy that generated the batch; the gradient reaches
+      the kept tokens only. S_t is not recomputed from the trainer's logits (a token at the cut
+      could fall on the other side): the engine reports |S_t| (the kept count K) per token and
+      the trainer keeps its own K largest logits, the sampled token always among them
+      (`kept_set_logprobs`).
+  full  every log-prob is log pi under the whole softmax (engines report it too); the gradient
+      is that of the untruncated policy, estimated from samples of the truncated one: a biased
+      estimator whose bias grows as the kept mass falls. `sampling/kept_mass` (the mean pi(S_t)
+      under the trainer's policy) says how far the two are apart.
+With top_p = 1 and top_k = 0 both coincide (S_t is the whole vocabulary).
+
 Rollout/trainer mismatch: the engine samples from pi_rollout, which differs slightly from
 pi_old computed by the trainer (kernels, precision). Truncated importance sampling weights the
 loss by w = min(pi_old / pi_rollout, C), per token or per sequence (product over tokens).
@@ -40,6 +56,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from posttrain.train.step import token_logprobs
 
 # ---- advantages (host side, numpy: rewards arrive from the reward pool) ----------------------
 
@@ -143,6 +161,53 @@ def kl_k3(logp, logp_ref):
 
 
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+# ---- log-prob semantics under top-k / top-p ---------------------------------------------------
+
+
+def kept_set_logprobs(logits_btv, targets_bt, kept_bt, kmax: int):
+    """log pi^S(target) over the kept set S of `kept_bt` tokens at each position, and
+    log pi(S), the kept set's mass under the full softmax. `logits_btv` is temperature-scaled.
+
+    S is the K largest logits (K = kept_bt; K <= 0 or K >= V: the whole vocabulary) with the
+    target forced in: if the trainer ranks the sampled token just outside its top K (its logit
+    is within noise of the engine's cut), S is the top K-1 plus the target, the engine's set.
+    Tokens tied at the cut share its remaining places (weight (K - above) / tied each): the
+    normaliser is the same whichever of them an engine kept, as each weighs the same. `kmax` is
+    a static bound on K (V when top-p is on, top_k otherwise; ties past it keep the bound's
+    value as the cut). The kept set is chosen without gradient; the gradient flows through
+    every kept logit."""
+    z = logits_btv.astype(jnp.float32)
+    v = z.shape[-1]
+    is_target = jnp.arange(v) == targets_bt[..., None]
+    z_target = jnp.take_along_axis(z, targets_bt[..., None], axis=-1)[..., 0]
+    k = jnp.where((kept_bt <= 0) | (kept_bt >= v), v, kept_bt)
+    sel = jax.lax.stop_gradient(jnp.where(is_target, jnp.inf, z))
+    top = jax.lax.top_k(sel, min(kmax, v))[0]
+    cut = jnp.take_along_axis(top, jnp.minimum(k, top.shape[-1])[..., None] - 1, axis=-1)
+    above, tied = sel > cut, sel == cut
+    n_above, n_tied = above.sum(-1, keepdims=True), tied.sum(-1, keepdims=True)
+    share = jnp.clip(k[..., None] - n_above, 0, n_tied) / jnp.maximum(n_tied, 1)
+    w = jnp.where(above, 1.0, jnp.where(tied, share, 0.0))
+    w = jnp.where(k[..., None] >= v, 1.0, w)  # whole vocabulary (also when kmax < V)
+    m = jax.lax.stop_gradient(z.max(-1, keepdims=True))
+    e = jnp.exp(z - m)
+    lse_kept = jnp.log((w * e).sum(-1)) + m[..., 0]
+    lse_full = jnp.log(e.sum(-1)) + m[..., 0]
+    return z_target - lse_kept, lse_kept - lse_full
+
+
+def policy_logprobs(logits_btv, targets_bt, kept_bt, semantics: str, top_k: int, top_p: float):
+    """The trainer's log-probs of the sampled tokens under the run's semantics, and the log of
+    the kept mass pi(S_t) (None when nothing is truncated). Every trainer pass (the update, the
+    old and the reference policy) goes through here, so all compare the same distribution."""
+    full = token_logprobs(logits_btv, targets_bt)
+    if top_k <= 0 and top_p >= 1.0:
+        return full, None
+    kmax = logits_btv.shape[-1] if top_p < 1.0 else top_k
+    kept, log_mass = kept_set_logprobs(logits_btv, targets_bt, kept_bt, kmax)
+    return (kept if semantics == "sampled" else full), jax.lax.stop_gradient(log_mass)
+
 
 # ---- rollout/trainer mismatch -------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ def setup(tmp_path, **grpo):
     batch = build_batch(rollouts, grpo_advantages(rewards, G_SIZE), 16)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     dev = {k: jnp.asarray(v) for k, v in batch.items()}
-    dev["logp_old"] = make_logprob_fn(graphdef, 1.0)(params, rest, dev)
+    dev["logp_old"] = make_logprob_fn(graphdef, cfg.grpo)(params, rest, dev)
     dev["logp_rollout"] = dev["logp_old"]  # on-policy: no engine mismatch
     return ref, model, cfg, rollouts, rewards, graphdef, params, rest, dev
 

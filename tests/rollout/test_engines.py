@@ -32,6 +32,24 @@ def hf_greedy(model, prompt, n=24, eos=0):
     return out[0, len(prompt):].tolist()
 
 
+TRUNCATIONS = [(top_p, top_k) for top_p in (1.0, 0.9, 0.5) for top_k in (0, 5, 20)]
+
+
+def trainer_side(model, rollouts, sp: SamplingParams) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The trainer's log-probs of the rollouts' tokens as the GRPO update computes them (the
+    batch it builds, the semantics it applies, the kept counts it replays), the engine's, and
+    the completion mask."""
+    from posttrain.algorithms.grpo import policy_logprobs
+    from posttrain.pipeline import build_batch
+
+    b = build_batch(rollouts, np.zeros(len(rollouts)), 256)
+    logits = model(jnp.asarray(b["tokens"]), jnp.asarray(b["positions"]),
+                   jnp.asarray(b["segment_ids"])) / sp.temperature
+    lp, _ = policy_logprobs(logits, jnp.asarray(b["targets"]), jnp.asarray(b["kept_counts"]),
+                            sp.logprobs, sp.top_k, sp.top_p)
+    return np.asarray(lp), b["logp_rollout"], b["loss_mask"] > 0
+
+
 def trainer_logprobs(model, prompt, completion, temperature=1.0):
     ids = jnp.asarray([prompt + completion])
     logits = model(ids)[:, :-1] / temperature
@@ -90,6 +108,26 @@ def test_jax_engine_logprobs_match_trainer(setup, temperature):
     assert worst <= 1e-4, worst
 
 
+@pytest.mark.parametrize("semantics", ["sampled", "full"])
+def test_jax_engine_logprobs_match_trainer_under_truncation(setup, semantics):
+    """Every top_p in {1, 0.9, 0.5} x top_k in {0, 5, 20}: the engine's reported log-probs equal
+    the trainer's under the same semantics (kept counts replayed)."""
+    d, _, tok, _ = setup
+    model = from_pretrained(d)
+    eng = JaxEngine(model, tok)
+    for top_p, top_k in TRUNCATIONS:
+        sp = SamplingParams(n=2, temperature=0.7, top_p=top_p, top_k=top_k, max_tokens=16, seed=5,
+                            logprobs=semantics)
+        outs = eng.generate(PROMPTS, sp)
+        ours, engine, mask = trainer_side(model, outs, sp)
+        assert np.abs(ours - engine)[mask].max() <= 1e-4, (top_p, top_k)
+        kept = [k for o in outs for k in o.kept_counts]
+        if top_k or top_p < 1:
+            assert max(kept) <= (top_k or model.cfg.vocab_size) and min(kept) < model.cfg.vocab_size
+        else:
+            assert set(kept) == {model.cfg.vocab_size}
+
+
 def test_jax_engine_serves_synced_weights(setup):
     d, _, tok, updated = setup
     eng = JaxEngine(from_pretrained(d), tok)
@@ -127,6 +165,22 @@ def test_vllm_engine_greedy_logprobs_and_sync(setup, tmp_path):
         worst = max(float(np.abs(np.asarray(lps) - trainer_logprobs(model, PROMPTS[i], ids, temp)).max())
                     for i, ids, lps in out[key])
         assert worst <= 1e-3, (key, worst)
+    # log-prob semantics: every truncation, both semantics, against the trainer's update path
+    from rollout.engine import Rollout
+
+    assert len(out["truncated"]) == 2 * len(TRUNCATIONS)
+    for (semantics, top_p, top_k), rows in out["truncated"]:
+        sp = SamplingParams(temperature=0.7, top_p=top_p, top_k=top_k, logprobs=semantics)
+        outs = [Rollout(i, PROMPTS[i], ids, lps, "", "length", 0, kept_counts=kept)
+                for i, ids, lps, kept in rows]
+        ours, engine, mask = trainer_side(model, outs, sp)
+        assert np.abs(ours - engine)[mask].max() <= 1e-3, (semantics, top_p, top_k)
+        vocab = model.cfg.vocab_size
+        kept = {k for *_, ks in rows for k in ks}
+        if top_k or top_p < 1:
+            assert max(kept) <= (top_k or vocab) and min(kept) < vocab
+        else:
+            assert kept == {vocab}
     new_ref = AutoModelForCausalLM.from_pretrained(d / "updated").float().eval()
     assert out["after"] == [hf_greedy(new_ref, p, eos=tok.eos_token_id) for p in PROMPTS]
     assert out["after"] != out["greedy"] and out["versions"] == [1]

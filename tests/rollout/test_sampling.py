@@ -40,8 +40,9 @@ N = 40_000
     (1.0, 0, 1.0), (0.7, 0, 1.0), (1.5, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.8), (0.8, 5, 0.9)])
 def test_empirical_frequencies_match(temperature, top_k, top_p):
     logits = jnp.broadcast_to(jnp.asarray(LOGITS, jnp.float32), (N, len(LOGITS)))
-    tok, lp = jax.jit(sample)(jax.random.key(0), logits, temperature, top_k, top_p)
+    tok, lp, kept = jax.jit(sample)(jax.random.key(0), logits, temperature, top_k, top_p)
     want = intended(temperature, top_k, top_p)
+    assert (np.asarray(kept) == (want > 0).sum()).all()  # the kept count the trainer replays
     counts = np.bincount(np.asarray(tok), minlength=len(LOGITS))
     assert counts[want == 0].sum() == 0  # nothing outside the kept set
     support = want > 0
@@ -53,13 +54,45 @@ def test_empirical_frequencies_match(temperature, top_k, top_p):
 
 def test_same_seed_same_samples_and_greedy():
     logits = jnp.broadcast_to(jnp.asarray(LOGITS, jnp.float32), (64, len(LOGITS)))
-    a, _ = sample(jax.random.key(3), logits, 1.0, 0, 1.0)
-    b, _ = sample(jax.random.key(3), logits, 1.0, 0, 1.0)
-    c, _ = sample(jax.random.key(4), logits, 1.0, 0, 1.0)
+    a, _, _ = sample(jax.random.key(3), logits, 1.0, 0, 1.0)
+    b, _, _ = sample(jax.random.key(3), logits, 1.0, 0, 1.0)
+    c, _, _ = sample(jax.random.key(4), logits, 1.0, 0, 1.0)
     assert (np.asarray(a) == np.asarray(b)).all() and (np.asarray(a) != np.asarray(c)).any()
-    g, lp = sample(jax.random.key(0), logits, 0.0, 0, 1.0)
+    g, lp, _ = sample(jax.random.key(0), logits, 0.0, 0, 1.0)
     assert (np.asarray(g) == 0).all()
     np.testing.assert_allclose(np.asarray(lp), np.log(intended(1.0, 0, 1.0)[0]), atol=1e-6)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.8), (3, 1.0), (5, 0.9)])
+def test_full_semantics_reports_the_whole_softmax(top_k, top_p):
+    """Same draws as the default; the log-prob is that of the temperature-scaled full softmax."""
+    logits = jnp.broadcast_to(jnp.asarray(LOGITS, jnp.float32), (256, len(LOGITS)))
+    tok, lp, kept = sample(jax.random.key(1), logits, 0.8, top_k, top_p)
+    tok_f, lp_f, kept_f = sample(jax.random.key(1), logits, 0.8, top_k, top_p, True)
+    assert (np.asarray(tok) == np.asarray(tok_f)).all() and (np.asarray(kept) == np.asarray(kept_f)).all()
+    full = intended(0.8, 0, 1.0)
+    np.testing.assert_allclose(np.asarray(lp_f), np.log(full[np.asarray(tok)]), atol=1e-5)
+    kept_mass = full[intended(0.8, top_k, top_p) > 0].sum()  # log pi^S = log pi - log pi(S)
+    np.testing.assert_allclose(np.asarray(lp) - np.asarray(lp_f), -np.log(kept_mass), atol=1e-5)
+
+
+def test_ties_at_the_cut_are_kept():
+    """Hand-worked: logits (1, 1, 1, 0) with top_k 2 -- the three tied tokens all stay (a value
+    cut), each with probability 1/3; top_p 0.5 on (0.5, 0.25, 0.125, 0.125) keeps 2 tokens."""
+    x = jnp.log(jnp.asarray([[np.e, np.e, np.e, 1.0]] * 512, jnp.float32))
+    tok, lp, kept = sample(jax.random.key(0), x, 1.0, 2, 1.0)
+    assert (np.asarray(kept) == 3).all() and set(np.asarray(tok).tolist()) == {0, 1, 2}
+    np.testing.assert_allclose(np.asarray(lp), np.log(1 / 3), atol=1e-6)
+    x = jnp.log(jnp.asarray([[0.5, 0.25, 0.125, 0.125]] * 512, jnp.float32))
+    tok, lp, kept = sample(jax.random.key(0), x, 1.0, 0, 0.5)
+    assert (np.asarray(kept) == 1).all() and (np.asarray(lp) == 0).all()  # mass 0.5 >= 0.5
+    tok, lp, kept = sample(jax.random.key(0), x, 1.0, 0, 0.6)
+    assert (np.asarray(kept) == 2).all() and set(np.asarray(tok).tolist()) == {0, 1}
+    np.testing.assert_allclose(np.asarray(lp), np.log(np.where(np.asarray(tok) == 0, 2 / 3, 1 / 3)),
+                               atol=1e-6)
+    # the tie at the cut of top_p 0.8 (0.75 before the 3rd, 0.875 before the tied 4th): both kept
+    tok, lp, kept = sample(jax.random.key(0), x, 1.0, 0, 0.8)
+    assert (np.asarray(kept) == 4).all()
 
 
 def test_engine_seed_reproduces(tmp_path):

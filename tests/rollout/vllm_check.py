@@ -1,5 +1,6 @@
 """Runs the vLLM engine in its own process (vLLM owns process-wide state) and prints JSON:
-greedy ids, sampled ids + logprobs, and greedy ids after an in-memory weight update."""
+greedy ids, sampled ids + logprobs (plain, and under every top-p / top-k and log-prob semantics
+with the kept counts), and greedy ids after an in-memory weight update."""
 
 import json
 import os
@@ -19,6 +20,14 @@ sampled = eng.generate(prompts, SamplingParams(temperature=1.0, max_tokens=24, n
 out["sampled"] = [(r.prompt_index, r.token_ids, r.logprobs) for r in sampled]
 sampled = eng.generate(prompts, SamplingParams(temperature=0.7, max_tokens=24, n=2, seed=7))
 out["sampled_t07"] = [(r.prompt_index, r.token_ids, r.logprobs) for r in sampled]
+out["truncated"] = []
+for semantics in ("sampled", "full"):
+    for top_p in (1.0, 0.9, 0.5):
+        for top_k in (0, 5, 20):
+            rs = eng.generate(prompts, SamplingParams(temperature=0.7, top_p=top_p, top_k=top_k,
+                                                      max_tokens=16, n=2, seed=5, logprobs=semantics))
+            out["truncated"].append(((semantics, top_p, top_k),
+                                     [(r.prompt_index, r.token_ids, r.logprobs, r.kept_counts) for r in rs]))
 metrics = eng.update_weights(load_file(new_weights), version=1)  # in memory, not from disk
 after = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
 out["after"] = [r.token_ids for r in after]
