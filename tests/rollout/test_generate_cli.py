@@ -17,7 +17,20 @@ def test_generate_jax_json_lines(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(x) for x in r.stdout.splitlines()]
     assert len(rows) == 4 and [x["prompt"] for x in rows] == ["What is 1 + 2?"] * 2 + ["What is 3 - 1?"] * 2
-    assert all(len(x["token_ids"]) == len(x["logprobs"]) <= 8 for x in rows)
+    assert all(len(x["token_ids"]) == len(x["logprobs"]) == len(x["kept_counts"]) <= 8 for x in rows)
+    # nucleus sampling, the full-softmax log-probs: the same draws, each token's log-prob lower
+    # than its renormalised one by the log of the kept mass
+    nucleus = ["--top-p", "0.5", "--temperature", "0.5"]
+    rows = [[json.loads(x) for x in subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", "generate", "--model", str(tmp_path), "--engine",
+         "jax", "--prompts", str(prompts), "--max-tokens", "8", "--seed", "0", *nucleus, *extra],
+        check=True, capture_output=True, text=True, timeout=300).stdout.splitlines()]
+        for extra in ([], ["--logprobs", "full"])]
+    sampled, full = rows
+    assert [x["token_ids"] for x in sampled] == [x["token_ids"] for x in full]
+    for s, f in zip(sampled, full):
+        assert s["kept_counts"] == f["kept_counts"] and max(s["kept_counts"]) < 512
+        assert all(lf < ls for ls, lf in zip(s["logprobs"], f["logprobs"]))
     r = subprocess.run([sys.executable, "-m", "posttrain.cli", "generate", "--model",
                         str(tmp_path / "nope"), "--prompt", "x"], check=False, capture_output=True, text=True)
     assert r.returncode == 2 and "no such model directory" in r.stderr
