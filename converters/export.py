@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -14,6 +16,51 @@ from converters.safetensors_io import SHARD_BYTES, write_sharded
 
 def param_flat(model: nnx.Module) -> dict[tuple, np.ndarray]:
     return {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def _key_name(k) -> str:
+    """One pytree path entry as checkpoints spell it (dict key, list index, dataclass field)."""
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+class EffectiveParams(Mapping):
+    """The plain parameters the policy computes with, by path, computed one at a time when asked
+    for: a LoRA kernel merged, W + (alpha / rank) A B, an int8 kernel dequantized
+    (`posttrain.train.checkpoint.canonical_param`, the rule checkpoints load by). A plain
+    parameter is the trainer's array itself (no copy)."""
+
+    def __init__(self, state: nnx.State, lora_scale: float | None):
+        leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
+        self._vars = {"/".join(map(_key_name, path)) + "/value": v for path, v in leaves}
+        self._scale = lora_scale
+
+    def __getitem__(self, path: tuple):
+        from posttrain.train.checkpoint import canonical_param
+
+        stem = "/".join(map(str, path))
+        if f"{stem}/value" in self._vars and f"{stem}_lora_a/value" not in self._vars:
+            return self._vars[f"{stem}/value"]
+        if f"{stem}_lora_a/value" in self._vars and self._scale is None:
+            raise ValueError(f"{stem}: a LoRA kernel, but no lora_scale (alpha / rank) given")
+        return canonical_param(self._vars.__getitem__, self._vars, stem, self._scale)
+
+    def dtype(self, path: tuple) -> np.dtype:
+        """The dtype `self[path]` will have, without computing it (int8 dequantizes to f32)."""
+        stem = "/".join(map(str, path))
+        if f"{stem}/value" in self._vars:
+            return np.dtype(self._vars[f"{stem}/value"].dtype)
+        return np.dtype(np.float32)
+
+    def __iter__(self):
+        from posttrain.train.checkpoint import _path, param_stems
+
+        return (_path(s) for s in param_stems(self._vars))
+
+    def __len__(self):
+        return sum(1 for _ in self)
 
 
 def hf_specs(cfg, dtype_of) -> list[tuple[str, tuple[int, ...], np.dtype]]:
@@ -29,17 +76,18 @@ def write_hf_config(out: Path, cfg, dtype: str | None, extra: dict | None = None
 
 
 def save_hf(model: nnx.Module, out: Path, dtype: str | None = None,
-            max_shard_bytes: int = SHARD_BYTES) -> None:
-    """Stream `model` to `out` one tensor at a time (device -> host copies deferred to the write)."""
+            max_shard_bytes: int = SHARD_BYTES, lora_scale: float | None = None) -> None:
+    """Stream `model` to `out` one tensor at a time (device -> host copies deferred to the
+    write); LoRA adapters merged (`lora_scale` = alpha / rank) and int8 kernels dequantized."""
     cfg = model.cfg
     out.mkdir(parents=True, exist_ok=True)
-    flat = param_flat(model)
-    lazy = {p: _LazyArray(v) for p, v in flat.items()}
+    flat = EffectiveParams(nnx.state(model), lora_scale)
     layout = {n: our_path(cfg, n)[0] for n in hf_tensor_names(cfg)}
+    lazy = {p: _LazyArray(flat, p) for p in set(layout.values())}
     cast = np.dtype(dtype) if dtype is not None else None
 
     def dtype_of(name):
-        return cast if cast is not None else np.dtype(flat[layout[name]][...].dtype)
+        return cast if cast is not None else flat.dtype(layout[name])
 
     def tensors():
         for name, arr in nnx_to_hf(cfg, lazy):
@@ -53,16 +101,16 @@ def save_hf(model: nnx.Module, out: Path, dtype: str | None = None,
 class _LazyArray:
     """Defers the device->host copy of one parameter until the exporter reaches it."""
 
-    def __init__(self, var):
-        self.var = var
+    def __init__(self, params, path):
+        self.params, self.path = params, path
 
     @property
     def T(self):
-        return np.asarray(self.var[...]).T
+        return np.asarray(self.params[self.path]).T
 
     def __getitem__(self, i):
-        return np.asarray(self.var[...][i])  # slice on the device, copy only the slice
+        return np.asarray(self.params[self.path][i])  # slice on the device, copy only the slice
 
     def __array__(self, dtype=None, copy=None):
-        a = np.asarray(self.var[...])
+        a = np.asarray(self.params[self.path])
         return a if dtype is None else a.astype(dtype)

@@ -40,6 +40,11 @@ class LoraConfig(Strict):
     target_modules: str = ".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
     int8_base: bool = False
 
+    @property
+    def scale(self) -> float | None:
+        """alpha / rank, the factor of B A in the effective weight (None without LoRA)."""
+        return self.alpha / self.rank if self.rank else None
+
 
 class ModelSection(Strict):
     path: str | None = Field(None, description="HF safetensors dir or Orbax checkpoint to start from")
@@ -268,6 +273,9 @@ class RolloutSection(Strict):
                                 "(faster start, ~10x slower decode on CPU)")
     enable_expert_parallel: bool = Field(False, description="vLLM: experts of MoE models over "
                                          "the tensor-parallel ranks instead of sliced")
+    probe: bool = Field(True, description="after every weight sync each engine scores a fixed "
+                        "probe; a log-prob gap to the trainer beyond the engine's tolerance "
+                        "stops the run (stale or wrong weights)")
 
 
 class EvalSection(Strict):

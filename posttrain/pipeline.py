@@ -13,7 +13,8 @@ One step, top to bottom:
   5. the trainer computes logp_old (and logp_ref when beta > 0) for the ratio, the mismatch
      metrics and truncated importance sampling, then runs `mu` passes of `mini_batches`
      updates; with one update per batch logp_old comes from the update's own forward;
-  6. the new weights go to every engine, which confirms the version;
+  6. the new weights go to every engine, which confirms the version and scores a fixed probe
+     that the trainer compares with its own log-probs (a gap stops the run: stale weights);
   7. metrics (time split, rewards, clip fraction, entropy, lengths, mismatch) and checkpoints.
 Placement `colocated`: the engine runs in this process on the trainer's devices and receives
 weights in memory. `disaggregated`: `rollout.num_workers` engines are Ray actors, weights travel
@@ -221,7 +222,7 @@ def build_engines(cfg: RunConfig, model, tokenizer, run_dir: Path):
         return JaxEngine(model, tokenizer, seed=cfg.seed, copy_weights=True)
     from converters.export import save_hf
 
-    save_hf(model, hf_dir)
+    save_hf(model, hf_dir, lora_scale=cfg.model.lora.scale)
     tokenizer.save_pretrained(hf_dir)
     if r.placement == "colocated":
         from rollout.vllm_engine import VllmEngine
@@ -319,7 +320,7 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
     from posttrain.tracking import Tracker
     from rewards.pool import RewardPool
     from rollout.engine import SamplingParams
-    from rollout.weight_sync import push
+    from rollout.weight_sync import check_probe, probe_sequences, push
 
     g, t = cfg.grpo, cfg.train
     tokenizer = prepare_tokenizer(cfg, run_dir)
@@ -359,8 +360,14 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
             start = latest
         model = nnx.merge(graphdef, state.params, state.frozen)
         engine = build_engines(cfg, model, tokenizer, run_dir)
+        # every sync ends with the engines scoring this probe against the trainer
+        probe = probe_sequences(model_cfg.vocab_size, seed=cfg.seed) if cfg.rollout.probe else None
+        lora_scale = cfg.model.lora.scale
         if start:
-            push([engine], nnx.state(model), model_cfg, start)
+            push([engine], nnx.state(model), model_cfg, start, probe=probe, model=model,
+                 lora_scale=lora_scale)
+        elif probe is not None:  # the engine as built (from the trainer's model or its HF export)
+            check_probe([engine], model, probe, 0)
 
         def produce(step: int) -> dict:
             """Rollouts, rewards and the training batch of `step` (on the engine's current
@@ -425,7 +432,8 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
 
                 tr = time.perf_counter()
                 model = nnx.merge(graphdef, state.params, state.frozen)
-                sync = push([engine], nnx.state(model), model_cfg, step + 1)
+                sync = push([engine], nnx.state(model), model_cfg, step + 1, probe=probe,
+                            model=model, lora_scale=lora_scale)
                 times["time/sync"] = time.perf_counter() - tr
 
                 lens = np.array([len(r.token_ids) for r in rollouts])

@@ -66,6 +66,12 @@ class RolloutEngine(Protocol):
     def update_weights(self, weights: Any, version: int) -> dict[str, float]:
         """Install new weights; returns sync metrics (bytes, seconds)."""
 
+    probe_tolerance: float  # largest probe gap to the trainer that still means "same weights"
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Teacher-forced log p(token_t | tokens_<t), t >= 1, full softmax at temperature 1: the
+        probe every sync ends with (`rollout.weight_sync.check_probe`)."""
+
 
 def stop_string_cut(text_of, token_ids: list[int], stop: Sequence[str]) -> tuple[int, str] | None:
     """Where a completion ends at its first stop string: (number of tokens kept, text), or None

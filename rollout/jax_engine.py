@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from posttrain.models.transformer import CausalLM, KVCache
+from posttrain.train.step import token_logprobs
 from rollout.engine import Rollout, SamplingParams, stop_string_cut
 from rollout.sampling import sample
 
@@ -67,6 +68,29 @@ def _generate(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p
     return out_t, out_lp, out_k, n
 
 
+@partial(jax.jit, static_argnames=("graphdef",))
+def _score(graphdef, state, tokens_bt, lens_b):
+    model = nnx.merge(graphdef, state)
+    pos = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
+    logits = model(tokens_bt, pos, (pos < lens_b[:, None]).astype(jnp.int32))
+    return token_logprobs(logits[:, :-1], tokens_bt[:, 1:])
+
+
+def score_sequences(model_or_split, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+    """Teacher-forced log p(token_t | tokens_<t), t >= 1, under the full softmax at temperature 1,
+    of each sequence: what an engine proves it serves the trainer's weights with (the trainer
+    scores with the same function). `model_or_split`: a model or its (graphdef, state)."""
+    graphdef, state = (nnx.split(model_or_split) if isinstance(model_or_split, nnx.Module)
+                       else model_or_split)
+    tokens = np.zeros((bucket_pow2(len(sequences), 1), bucket_mult(max(map(len, sequences)))),
+                      np.int32)
+    lens = np.ones((tokens.shape[0],), np.int32)
+    for i, s in enumerate(sequences):
+        tokens[i, :len(s)], lens[i] = s, len(s)
+    lp = np.asarray(jax.device_get(_score(graphdef, state, jnp.asarray(tokens), jnp.asarray(lens))))
+    return [lp[i, :len(s) - 1].tolist() for i, s in enumerate(sequences)]
+
+
 class JaxEngine:
     def __init__(self, model: CausalLM, tokenizer=None, *, eos_token_ids: Sequence[int] = (),
                  version: int = 0, seed: int = 0, copy_weights: bool = False):
@@ -102,6 +126,17 @@ class JaxEngine:
         _, self.state = nnx.split(model)
         self.version = version
         return {"sync/bytes": float(nbytes), "sync/seconds": time.perf_counter() - t0}
+
+    @property
+    def probe_tolerance(self) -> float:
+        """Largest probe log-prob gap to the trainer that still means "same weights": the same
+        model code runs on both sides (fp32: differences are reduction order only)."""
+        wide = all(x.dtype == jnp.float32 for x in jax.tree.leaves(self.state)
+                   if jnp.issubdtype(x.dtype, jnp.floating))
+        return 1e-4 if wide else 5e-2
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        return score_sequences((self.graphdef, self.state), sequences)
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:

@@ -47,6 +47,9 @@ class VllmEngine:
                        **({"enable_expert_parallel": True} if enable_expert_parallel else {}))
         self.tokenizer = self.llm.get_tokenizer()
         self.version = version
+        # probe gap still meaning "same weights": fp32, other kernels than the trainer's (1e-3,
+        # as for sampled log-probs); bf16 engines round every activation to 8 bits of mantissa
+        self.probe_tolerance = 1e-3 if dtype == "float32" else 1e-1
         self.llm.collective_rpc(_install_semantics)
         self._full = False
 
@@ -68,6 +71,21 @@ class VllmEngine:
         self.llm.reset_prefix_cache()
         self.version = version
         return {"sync/bytes": float(nbytes), "sync/seconds": time.perf_counter() - t0}
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Teacher-forced log-probs of each sequence's tokens after the first (vLLM's prompt
+        log-probs: the raw full softmax, no temperature), for the probe check."""
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+
+        sp = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], sp,
+                                 use_tqdm=False)
+        scores = []
+        for s, out in zip(sequences, outs):
+            pl = out.prompt_logprobs
+            scores.append([float(pl[t][tok].logprob) for t, tok in enumerate(s) if t > 0])
+        return scores
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
         from vllm import SamplingParams as VSP

@@ -6,7 +6,14 @@ checkpoints can take them:
 - colocated vLLM engine: torch views over the JAX buffers through DLPack (no copy on CPU);
 - Ray workers (disaggregated): host numpy arrays put once in Ray's object store, which every
   worker on the node reads without a copy.
-Every engine confirms the version it now serves; bytes and seconds go to the metrics.
+Every engine confirms the version it now serves, and then proves it serves the trainer's weights:
+it scores a fixed probe (a few token sequences, teacher-forced) and the trainer compares those
+log-probs with its own (`check_probe`). A gap beyond the engine's tolerance (fp32: 1e-4 JAX,
+1e-3 vLLM; bf16: 5e-2 JAX, 1e-1 vLLM) stops the run with `WeightSyncError` naming the engine:
+an engine that kept old weights, loaded a tensor wrong or dropped one would otherwise look like
+a slow learner. The probe is scored under the full softmax at temperature 1 whatever the run's
+log-prob semantics: it checks weights, not sampling. Bytes, seconds, GB/s and the probe gap go
+to the metrics.
 """
 
 from __future__ import annotations
@@ -17,29 +24,77 @@ import jax
 import numpy as np
 from flax import nnx
 
-from converters.hf import nnx_to_hf
+from converters.export import EffectiveParams
+from converters.hf import hf_tensor_names, nnx_to_hf, our_path
 from posttrain.models.config import ModelConfig
 
 
-def _flat(state: nnx.State) -> dict[tuple, jax.Array]:
-    return {tuple(p): v[...] for p, v in nnx.to_flat_state(state)}
-
-
-def hf_torch_views(state: nnx.State, cfg: ModelConfig) -> dict:
-    """HF name -> torch tensor viewing the JAX buffer (DLPack; zero-copy on CPU)."""
+def hf_torch_views(state: nnx.State, cfg: ModelConfig, lora_scale: float | None = None) -> dict:
+    """HF name -> torch tensor viewing the JAX buffer (DLPack; zero-copy on CPU: the layer
+    slices and transposes are torch views; a merged LoRA or dequantized int8 kernel is a new
+    array)."""
     import torch
 
-    flat = {k: torch.utils.dlpack.from_dlpack(v) for k, v in _flat(state).items()}
-    return dict(nnx_to_hf(cfg, flat, contiguous=False))
+    params = EffectiveParams(state, lora_scale)
+    needed = {our_path(cfg, name)[0] for name in hf_tensor_names(cfg)}
+    views = {path: torch.utils.dlpack.from_dlpack(params[path]) for path in needed}
+    return dict(nnx_to_hf(cfg, views, contiguous=False))
 
 
-def hf_numpy(state: nnx.State, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    flat = {k: np.asarray(jax.device_get(v)) for k, v in _flat(state).items()}
-    return dict(nnx_to_hf(cfg, flat))
+def hf_numpy(state: nnx.State, cfg: ModelConfig, lora_scale: float | None = None) -> dict[str, np.ndarray]:
+    return {name: np.asarray(jax.device_get(v)) for name, v in
+            nnx_to_hf(cfg, EffectiveParams(state, lora_scale))}
 
 
-def push(engines, state: nnx.State, cfg: ModelConfig, version: int) -> dict[str, float]:
-    """Send `state` to every engine (in-process engines or a `WorkerGroup`); verify the version."""
+class WeightSyncError(RuntimeError):
+    """An engine serves weights other than the trainer's (found by the probe check)."""
+
+
+def probe_sequences(vocab_size: int, n: int = 4, length: int = 24, seed: int = 0) -> list[list[int]]:
+    """The fixed probe: `n` token sequences drawn once from a seeded RNG (every token id range
+    of the vocabulary, so every embedding row can matter)."""
+    rng = np.random.default_rng([seed, 0x9E0BE])
+    return rng.integers(0, vocab_size, (n, length)).tolist()
+
+
+def probe_gap(got: list[list[float]], want: list[list[float]]) -> float:
+    """Largest |engine - trainer| log-prob over the probe (NaN if either side has one)."""
+    return max(float(np.max(np.abs(np.asarray(g) - np.asarray(w)))) for g, w in zip(got, want))
+
+
+def _engine_scores(eng, sequences):
+    from rollout.worker import WorkerGroup
+
+    if isinstance(eng, WorkerGroup):
+        return eng.scores(sequences)
+    return [(f"{type(eng).__name__} (in process)", eng.probe_tolerance, eng.score(sequences))]
+
+
+def check_probe(engines, model: nnx.Module, sequences: list[list[int]], version: int) -> float:
+    """Every engine scores the probe; the trainer (`model`) scores it with its own code. Returns
+    the largest gap; raises `WeightSyncError` naming the first engine beyond its tolerance."""
+    from rollout.jax_engine import score_sequences
+
+    want = score_sequences(model, sequences)
+    worst = 0.0
+    for eng in engines:
+        for name, tol, got in _engine_scores(eng, sequences):
+            gap = probe_gap(got, want)
+            if not gap <= tol:  # NaN fails too
+                raise WeightSyncError(
+                    f"{name} does not serve the trainer's weights after the sync to version "
+                    f"{version}: probe log-prob gap {gap:.3g} > tolerance {tol:g} (stale, partial "
+                    "or wrongly converted weights)")
+            worst = max(worst, gap)
+    return worst
+
+
+def push(engines, state: nnx.State, cfg: ModelConfig, version: int, *, probe=None,
+         model: nnx.Module | None = None, lora_scale: float | None = None) -> dict[str, float]:
+    """Send `state` to every engine (in-process engines or a `WorkerGroup`); verify the version
+    and, given `probe` sequences and the trainer's `model`, the weights (`check_probe`). Engines
+    that take HF tensors get the effective weights (LoRA merged with `lora_scale`, int8
+    dequantized); the colocated JAX engine runs the trainer's own modules on its state."""
     from rollout.jax_engine import JaxEngine
     from rollout.worker import WorkerGroup
 
@@ -49,12 +104,18 @@ def push(engines, state: nnx.State, cfg: ModelConfig, version: int) -> dict[str,
         if isinstance(eng, JaxEngine):
             m = eng.update_weights(state, version)
         elif isinstance(eng, WorkerGroup):
-            m = eng.update_weights(hf_numpy(state, cfg), version)
+            m = eng.update_weights(hf_numpy(state, cfg, lora_scale), version)
         else:
-            m = eng.update_weights(hf_torch_views(state, cfg), version)
+            m = eng.update_weights(hf_torch_views(state, cfg, lora_scale), version)
         nbytes += m["sync/bytes"]
         served = eng.version if not isinstance(eng, WorkerGroup) else min(eng.versions())
         if served != version:
-            raise RuntimeError(f"engine {eng} reports version {served} after a sync to {version}")
-    return {"sync/bytes": nbytes, "sync/seconds": time.perf_counter() - t0,
-            "sync/version": float(version)}
+            raise WeightSyncError(f"engine {eng} reports version {served} after a sync to {version}")
+    seconds = time.perf_counter() - t0
+    out = {"sync/bytes": nbytes, "sync/seconds": seconds, "sync/gbps": nbytes / seconds / 1e9,
+           "sync/version": float(version)}
+    if probe is not None:
+        t0 = time.perf_counter()
+        out["sync/probe_gap"] = check_probe(engines, model, probe, version)
+        out["sync/probe_seconds"] = time.perf_counter() - t0
+    return out

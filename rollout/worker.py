@@ -53,6 +53,12 @@ class RolloutWorker:
     def version(self) -> int:
         return self.engine.version
 
+    def score(self, sequences) -> list[list[float]]:
+        return self.engine.score(sequences)
+
+    def probe_tolerance(self) -> float:
+        return self.engine.probe_tolerance
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -68,6 +74,13 @@ class WorkerGroup:
 
     def versions(self) -> list[int]:
         return ray.get([w.version.remote() for w in self.workers])
+
+    def scores(self, sequences) -> list[tuple[str, float, list[list[float]]]]:
+        """Every worker's probe scores: (name, tolerance, scores) per worker."""
+        tols = ray.get([w.probe_tolerance.remote() for w in self.workers])
+        got = ray.get([w.score.remote(sequences) for w in self.workers])
+        return [(f"rollout worker {i} ({self.spec['kind']})", t, g)
+                for i, (t, g) in enumerate(zip(tols, got))]
 
     def update_weights(self, weights: dict, version: int) -> dict[str, float]:
         t0 = time.perf_counter()

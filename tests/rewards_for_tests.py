@@ -6,3 +6,9 @@ def says_seven(prompts, completions, **columns) -> list[float]:
     prompt at once, so a short GRPO run measurably raises it (the arithmetic reward of
     grpo_tiny moves within its noise in 16 steps of a 3M-parameter model)."""
     return [1.0 if "7" in c else 0.0 for c in completions]
+
+
+def first_token_parity(prompts, completions, completion_ids, **columns) -> list[float]:
+    """1 when the first sampled token id is odd: a reward that varies within every group even
+    for an untrained model, so the first update always moves the weights."""
+    return [float(ids[0] % 2) if ids else 0.0 for ids in completion_ids]

@@ -184,3 +184,13 @@ def test_vllm_engine_greedy_logprobs_and_sync(setup, tmp_path):
     new_ref = AutoModelForCausalLM.from_pretrained(d / "updated").float().eval()
     assert out["after"] == [hf_greedy(new_ref, p, eos=tok.eos_token_id) for p in PROMPTS]
     assert out["after"] != out["greedy"] and out["versions"] == [1]
+    # the probe check: vLLM's scores match the trainer's for the weights it serves, and a vLLM
+    # still on the old weights would be caught against the updated trainer
+    from rollout.jax_engine import score_sequences
+    from rollout.weight_sync import probe_gap, probe_sequences
+
+    probe, tol = probe_sequences(model.cfg.vocab_size), out["probe_tolerance"]
+    assert tol == 1e-3
+    assert probe_gap(out["probe_before"], score_sequences(model, probe)) <= tol
+    assert probe_gap(out["probe_after"], score_sequences(updated, probe)) <= tol
+    assert probe_gap(out["probe_before"], score_sequences(updated, probe)) > 10 * tol

@@ -28,7 +28,13 @@ for semantics in ("sampled", "full"):
                                                       max_tokens=16, n=2, seed=5, logprobs=semantics))
             out["truncated"].append(((semantics, top_p, top_k),
                                      [(r.prompt_index, r.token_ids, r.logprobs, r.kept_counts) for r in rs]))
+from rollout.weight_sync import probe_sequences  # noqa: E402
+
+probe = probe_sequences(eng.llm.llm_engine.model_config.get_vocab_size())
+out["probe_before"] = eng.score(probe)
 metrics = eng.update_weights(load_file(new_weights), version=1)  # in memory, not from disk
+out["probe_after"] = eng.score(probe)
+out["probe_tolerance"] = eng.probe_tolerance
 after = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
 out["after"] = [r.token_ids for r in after]
 out["versions"] = sorted({r.version for r in after})

@@ -1,0 +1,174 @@
+"""The probe check after every weight sync: an engine that serves the trainer's weights passes,
+one that kept old weights, took one tensor stale or one in the wrong layout (a reshape where a
+transpose belonged, the classic converter bug) is stopped with an
+error naming it -- in process, in Ray workers, and in a GRPO run on its first step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from posttrain.models import from_pretrained
+from posttrain.train.step import TrainState, make_train_step, next_token_loss
+from rollout.jax_engine import JaxEngine, score_sequences
+from rollout.weight_sync import WeightSyncError, check_probe, hf_numpy, probe_sequences, push
+from tests.helpers import save_tiny_model_with_tokenizer
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The model as saved, and the trainer's after one SGD step (the weights a sync delivers)."""
+    d = tmp_path_factory.mktemp("probe")
+    save_tiny_model_with_tokenizer(d, "qwen3")
+    ours = from_pretrained(d)
+    graphdef, params, rest = nnx.split(ours, nnx.Param, ...)
+    tokens = jnp.asarray([[5, 17, 99, 200, 33] * 4])
+    batch = {"tokens": tokens, "targets": jnp.roll(tokens, -1, 1), "positions": jnp.arange(20)[None],
+             "segment_ids": jnp.ones((1, 20), jnp.int32), "loss_mask": jnp.ones((1, 20))}
+    opt = optax.sgd(0.5)
+    state = TrainState(params, rest, opt.init(params), jnp.zeros((), jnp.int32),
+                       jax.random.key_data(jax.random.key(0)))
+    state, _ = jax.jit(make_train_step(graphdef, opt, next_token_loss))(state, batch)
+    return d, nnx.merge(graphdef, state.params, state.frozen)
+
+
+PROBE = probe_sequences(512, seed=0)
+
+
+def test_probe_is_fixed_and_spans_the_vocabulary():
+    assert PROBE == probe_sequences(512, seed=0) != probe_sequences(512, seed=1)
+    assert len(PROBE) == 4 and all(len(s) == 24 for s in PROBE)
+    assert 0 <= min(map(min, PROBE)) and max(map(max, PROBE)) < 512
+
+
+def test_synced_engine_passes_and_a_stale_one_is_named(models):
+    d, trained = models
+    eng = JaxEngine(from_pretrained(d))
+    with pytest.raises(WeightSyncError, match=r"JaxEngine .* version 0: probe log-prob gap"):
+        check_probe([eng], trained, PROBE, 0)  # still the saved weights
+    m = push([eng], nnx.state(trained), trained.cfg, 1, probe=PROBE, model=trained)
+    # same model code on both sides and the same weights: the scores are bitwise equal
+    assert m["sync/probe_gap"] == 0.0 and m["sync/gbps"] > 0
+
+
+def _hf_with(trained, edit):
+    weights = hf_numpy(nnx.state(trained), trained.cfg)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    weights[name] = edit(weights[name], name)
+    return weights
+
+
+def wrong_layout(w, name):
+    return np.ascontiguousarray(w.reshape(w.shape[::-1]).T)  # same shape, scrambled
+
+
+@pytest.mark.parametrize("what", ["one tensor stale", "one tensor in the wrong layout"])
+def test_one_wrong_tensor_is_caught(models, what):
+    d, trained = models
+    saved = hf_numpy(nnx.state(from_pretrained(d)), trained.cfg)
+    edit = (lambda w, name: saved[name]) if what == "one tensor stale" else wrong_layout
+    eng = JaxEngine(from_pretrained(d))
+    eng.update_weights(_hf_with(trained, edit), 1)  # the version is right, the weights are not
+    with pytest.raises(WeightSyncError, match="version 1"):
+        check_probe([eng], trained, PROBE, 1)
+
+
+def test_scores_are_teacher_forced_logprobs(models):
+    """Independent check of what the probe measures: log_softmax of a plain forward."""
+    _, trained = models
+    got = score_sequences(trained, PROBE[:2])
+    ids = jnp.asarray(PROBE[:2])
+    logp = jax.nn.log_softmax(trained(ids), -1)
+    want = np.take_along_axis(np.asarray(logp[:, :-1]), np.asarray(ids)[:, 1:, None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_ray_workers_prove_their_weights(models):
+    import ray
+
+    from rollout.worker import WorkerGroup
+
+    d, trained = models
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}})
+    group = WorkerGroup({"kind": "jax", "model_dir": str(d), "scan_layers": True}, 2)
+    try:
+        m = push([group], nnx.state(trained), trained.cfg, 1, probe=PROBE, model=trained)
+        assert m["sync/probe_gap"] <= 1e-4
+        # worker 1 loads a wrong tensor; worker 0 the right weights
+        ray.get(group.workers[1].update_weights.remote(
+            _hf_with(trained, wrong_layout), 1))
+        with pytest.raises(WeightSyncError, match=r"rollout worker 1 \(jax\)"):
+            check_probe([group], trained, PROBE, 1)
+    finally:
+        group.shutdown()
+        ray.shutdown()
+
+
+def config(run_dir):
+    from posttrain.config import RunConfig
+
+    return RunConfig.model_validate({
+        "algorithm": "grpo", "run_dir": str(run_dir),
+        "model": {"config": {"arch": "qwen3", "hidden_size": 64, "intermediate_size": 128,
+                             "num_hidden_layers": 1, "num_attention_heads": 2,
+                             "num_key_value_heads": 1, "head_dim": 32}},
+        "data": {"source": "generated", "seq_len": 64,
+                 "generated": {"num_train": 64, "num_eval": 8, "max_operand": 9}},
+        "optimizer": {"learning_rate": 1e-2, "warmup_steps": 0},
+        "train": {"steps": 2},
+        "grpo": {"group_size": 4, "prompts_per_step": 2, "max_tokens": 4},  # 8 rows: 8 devices
+        "eval": {"num_problems": 2},
+        "rewards": {"functions": [{"fn": "tests/rewards_for_tests.py:first_token_parity"}]},
+        "tracking": {"wandb": {"enabled": False}}})
+
+
+def test_grpo_run_with_a_stale_engine_stops_on_the_first_step(tmp_path, monkeypatch):
+    """The engine confirms every version but never installs the weights: the run stops at the
+    first sync, naming the engine, instead of training on rollouts of the initial policy."""
+    from posttrain.pipeline import run_grpo
+    from tests.train.e2e import metrics
+
+    def keeps_old_weights(self, weights, version):
+        self.version = version
+        return {"sync/bytes": 0.0, "sync/seconds": 0.0}
+
+    # the control: the same run with working syncs passes every probe (8 sharded devices)
+    run_grpo(config(tmp_path / "ok"), tmp_path / "ok")
+    gaps = [m["sync/probe_gap"] for m in metrics(tmp_path / "ok") if "sync/probe_gap" in m]
+    assert len(gaps) == 2 and max(gaps) <= 1e-4
+    monkeypatch.setattr(JaxEngine, "update_weights", keeps_old_weights)
+    with pytest.raises(WeightSyncError, match=r"JaxEngine \(in process\) does not serve the "
+                                              r"trainer's weights after the sync to version 1"):
+        run_grpo(config(tmp_path / "stale"), tmp_path / "stale")
+    assert not (tmp_path / "stale" / "checkpoints" / "1").exists()  # nothing trained on stale rollouts
+
+
+@pytest.mark.parametrize("int8_base", [False, True])
+def test_lora_policy_reaches_an_hf_engine_as_effective_weights(models, int8_base):
+    """A LoRA policy (optionally over an int8 base) exported under HF names is the weight it
+    computes with, W + (alpha / r) A B: an engine that loads it passes the probe against the
+    LoRA trainer; one given the base weights alone (adapters dropped) is caught."""
+    import qwix
+
+    d, _ = models
+    provider = qwix.LoraProvider(module_path=".*(q_proj|v_proj|down_proj)", rank=4, alpha=8.0,
+                                 weight_qtype=jnp.int8 if int8_base else None)
+    policy = qwix.apply_lora_to_model(from_pretrained(d, scan_layers=False), provider,
+                                      jnp.zeros((1, 8), jnp.int32), rngs=nnx.Rngs(0))
+    # trained adapters (B starts at zero, which would make the merge a no-op)
+    for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(policy, nnx.LoRAParam))):
+        var[...] = 0.05 * jax.random.normal(jax.random.key(i), var[...].shape, var[...].dtype)
+    state, cfg = nnx.state(policy), policy.cfg
+    eng = JaxEngine(from_pretrained(d))
+    eng.update_weights(hf_numpy(state, cfg, lora_scale=8.0 / 4), 1)
+    assert check_probe([eng], policy, PROBE, 1) <= 1e-4
+    with pytest.raises(ValueError, match="lora_scale"):
+        hf_numpy(state, cfg)
+    if not int8_base:  # the adapters left out: the base weights alone
+        eng.update_weights(hf_numpy(nnx.state(from_pretrained(d, scan_layers=False)), cfg), 2)
+        with pytest.raises(WeightSyncError, match="version 2"):
+            check_probe([eng], policy, PROBE, 2)
