@@ -11,7 +11,9 @@ heads, MLP 3072; 503M parameters), each path as the pipeline runs it:
 
     python -m benchmarks.weight_sync [--sizes ref,500m] [--paths jax,vllm,ray] [--reps 3]
 
-Each (size, path) runs in its own process; best of `reps` syncs after one warm-up sync.
+Each (size, path) runs in its own process; best of `reps` syncs after one warm-up sync. Then the
+probe check that ends every pipeline sync (`rollout.weight_sync.check_probe`): its seconds and
+the gap it measured.
 """
 
 from __future__ import annotations
@@ -61,7 +63,16 @@ sync(1)
 best = 1e9
 for v in range(2, reps + 2):
     t0 = time.perf_counter(); sync(v); best = min(best, time.perf_counter() - t0)
-print("@@" + json.dumps({"seconds": best, "params": int(n_params)}))
+# the probe check that ends every sync in the pipeline (engine and trainer score 4 x 24 tokens)
+from rollout.weight_sync import check_probe, probe_sequences
+probe = probe_sequences(model.cfg.vocab_size)
+check_probe([eng], model, probe, v)
+probe_best = 1e9
+for _ in range(reps):
+    t0 = time.perf_counter(); gap = check_probe([eng], model, probe, v)
+    probe_best = min(probe_best, time.perf_counter() - t0)
+print("@@" + json.dumps({"seconds": best, "params": int(n_params), "probe_seconds": probe_best,
+                         "probe_gap": gap}))
 os._exit(0)
 '''
 
@@ -76,7 +87,8 @@ def main():
     from tests.helpers import save_tiny_model_with_tokenizer
 
     work = Path(tempfile.mkdtemp(prefix="sync_bench_"))
-    print(f"{'model':<8}{'params':>12}{'path':>8}{'seconds':>10}{'GB/s':>8}")
+    print(f"{'model':<8}{'params':>12}{'path':>8}{'seconds':>10}{'GB/s':>8}{'probe s':>9}"
+          f"{'probe gap':>11}")
     for size in args.sizes.split(","):
         d = work / size
         save_tiny_model_with_tokenizer(d, "qwen3", **SIZES[size])
@@ -87,7 +99,8 @@ def main():
                 raise RuntimeError(r.stderr[-3000:])
             res = json.loads(r.stdout.split("@@")[-1])
             gbs = res["params"] * 4 / res["seconds"] / 1e9
-            print(f"{size:<8}{res['params']:>12,}{path:>8}{res['seconds']:>10.3f}{gbs:>8.2f}")
+            print(f"{size:<8}{res['params']:>12,}{path:>8}{res['seconds']:>10.3f}{gbs:>8.2f}"
+                  f"{res['probe_seconds']:>9.3f}{res['probe_gap']:>11.1e}")
 
 
 if __name__ == "__main__":
