@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -26,7 +25,7 @@ def _key_name(k) -> str:
     return str(k)
 
 
-class EffectiveParams(Mapping):
+class EffectiveParams:
     """The plain parameters the policy computes with, by path, computed one at a time when asked
     for: a LoRA kernel merged, W + (alpha / rank) A B, an int8 kernel dequantized
     (`posttrain.train.checkpoint.canonical_param`, the rule checkpoints load by). A plain
@@ -53,14 +52,6 @@ class EffectiveParams(Mapping):
         if f"{stem}/value" in self._vars:
             return np.dtype(self._vars[f"{stem}/value"].dtype)
         return np.dtype(np.float32)
-
-    def __iter__(self):
-        from posttrain.train.checkpoint import _path, param_stems
-
-        return (_path(s) for s in param_stems(self._vars))
-
-    def __len__(self):
-        return sum(1 for _ in self)
 
 
 def hf_specs(cfg, dtype_of) -> list[tuple[str, tuple[int, ...], np.dtype]]:

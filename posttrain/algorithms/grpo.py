@@ -201,12 +201,13 @@ def policy_logprobs(logits_btv, targets_bt, kept_bt, semantics: str, top_k: int,
     """The trainer's log-probs of the sampled tokens under the run's semantics, and the log of
     the kept mass pi(S_t) (None when nothing is truncated). Every trainer pass (the update, the
     old and the reference policy) goes through here, so all compare the same distribution."""
-    full = token_logprobs(logits_btv, targets_bt)
     if top_k <= 0 and top_p >= 1.0:
-        return full, None
+        return token_logprobs(logits_btv, targets_bt), None
     kmax = logits_btv.shape[-1] if top_p < 1.0 else top_k
     kept, log_mass = kept_set_logprobs(logits_btv, targets_bt, kept_bt, kmax)
-    return (kept if semantics == "sampled" else full), jax.lax.stop_gradient(log_mass)
+    # log pi(y) = log pi^S(y) + log pi(S): the full softmax without a second normaliser
+    logp = kept if semantics == "sampled" else kept + log_mass
+    return logp, jax.lax.stop_gradient(log_mass)
 
 
 # ---- rollout/trainer mismatch -------------------------------------------------------------------
