@@ -37,14 +37,21 @@ class EffectiveParams:
         self._scale = lora_scale
 
     def __getitem__(self, path: tuple):
+        return self.get(path)
+
+    def get(self, path: tuple, index: tuple[int, ...] = ()):
+        """`self[path][index]`, computing only that slice (one layer / expert of a stacked
+        parameter: a LoRA merge or int8 dequantization of one layer, a device slice of a plain
+        one), so an exporter never holds more than one HF tensor of work."""
         from posttrain.train.checkpoint import canonical_param
 
         stem = "/".join(map(str, path))
         if f"{stem}/value" in self._vars and f"{stem}_lora_a/value" not in self._vars:
-            return self._vars[f"{stem}/value"]
+            v = self._vars[f"{stem}/value"]
+            return v[index] if index else v
         if f"{stem}_lora_a/value" in self._vars and self._scale is None:
             raise ValueError(f"{stem}: a LoRA kernel, but no lora_scale (alpha / rank) given")
-        return canonical_param(self._vars.__getitem__, self._vars, stem, self._scale)
+        return canonical_param(lambda k: _take(self._vars[k], index), self._vars, stem, self._scale)
 
     def dtype(self, path: tuple) -> np.dtype:
         """The dtype `self[path]` will have, without computing it (int8 dequantizes to f32)."""
@@ -52,6 +59,12 @@ class EffectiveParams:
         if f"{stem}/value" in self._vars:
             return np.dtype(self._vars[f"{stem}/value"].dtype)
         return np.dtype(np.float32)
+
+
+def _take(arr, index: tuple[int, ...]):
+    """`arr[index]` over the leading stacking axes; an axis of size 1 broadcasts (an int8
+    scale shared by all layers keeps its single row)."""
+    return arr[tuple(i if n > 1 else 0 for i, n in zip(index, arr.shape))] if index else arr
 
 
 def hf_specs(cfg, dtype_of) -> list[tuple[str, tuple[int, ...], np.dtype]]:

@@ -276,6 +276,24 @@ class RolloutSection(Strict):
     probe: bool = Field(True, description="after every weight sync each engine scores a fixed "
                         "probe; a log-prob gap to the trainer beyond the engine's tolerance "
                         "stops the run (stale or wrong weights)")
+    transport: Literal["auto", "in_process", "object_store", "collective"] = Field(
+        "auto", description="how weights reach the engines: in_process (colocated), "
+        "object_store (Ray workers: bucket by bucket through Ray's object store, pipelined), "
+        "collective (Ray workers: gloo broadcast from the trainer); auto: in_process when "
+        "colocated, object_store otherwise")
+    bucket_mb: int = Field(256, gt=0, description="weight sync bucket size (MiB): the trainer "
+                           "holds at most about two buckets of exported weights at a time")
+    sync_timeout_s: float = Field(600.0, gt=0, description="collective transport: how long a "
+                                  "rank waits for the others before the sync fails")
+
+    @model_validator(mode="after")
+    def _transport_reaches_engines(self):
+        remote = self.placement == "disaggregated"
+        if self.transport != "auto" and remote == (self.transport == "in_process"):
+            raise ValueError(f"transport {self.transport!r} cannot reach "
+                             f"{'Ray workers' if remote else 'colocated engines'} "
+                             f"(placement {self.placement!r}); use auto")
+        return self
 
 
 class EvalSection(Strict):

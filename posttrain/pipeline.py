@@ -18,7 +18,7 @@ One step, top to bottom:
   7. metrics (time split, rewards, clip fraction, entropy, lengths, mismatch) and checkpoints.
 Placement `colocated`: the engine runs in this process on the trainer's devices and receives
 weights in memory. `disaggregated`: `rollout.num_workers` engines are Ray actors, weights travel
-through Ray's object store. `async.off_policy_steps: 1` runs steps 1-3 for batch k+1 in a
+bucket by bucket over `rollout.transport` (Ray's object store, or a gloo broadcast). `async.off_policy_steps: 1` runs steps 1-3 for batch k+1 in a
 background thread while 5 trains on batch k (one policy version stale; truncated importance
 sampling against the engine's logprobs corrects it); the engine takes the new weights once that
 generation is done. A checkpoint records the data position before batch k+1, so a resumed async
@@ -363,9 +363,11 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
         # every sync ends with the engines scoring this probe against the trainer
         probe = probe_sequences(model_cfg.vocab_size, seed=cfg.seed) if cfg.rollout.probe else None
         lora_scale = cfg.model.lora.scale
+        r = cfg.rollout
+        sync_opts = dict(lora_scale=lora_scale, transport=r.transport,
+                         bucket_bytes=r.bucket_mb << 20, timeout_s=r.sync_timeout_s)
         if start:
-            push([engine], nnx.state(model), model_cfg, start, probe=probe, model=model,
-                 lora_scale=lora_scale)
+            push([engine], nnx.state(model), model_cfg, start, probe=probe, model=model, **sync_opts)
         elif probe is not None:  # the engine as built (from the trainer's model or its HF export)
             check_probe([engine], model, probe, 0)
 
@@ -433,7 +435,7 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                 tr = time.perf_counter()
                 model = nnx.merge(graphdef, state.params, state.frozen)
                 sync = push([engine], nnx.state(model), model_cfg, step + 1, probe=probe,
-                            model=model, lora_scale=lora_scale)
+                            model=model, **sync_opts)
                 times["time/sync"] = time.perf_counter() - tr
 
                 lens = np.array([len(r.token_ids) for r in rollouts])

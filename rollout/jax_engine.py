@@ -108,24 +108,78 @@ class JaxEngine:
         self._seed = seed
 
     # ---- weights ---------------------------------------------------------------------------
+    weight_layout = "jax"  # what `load_weights` takes best: our orientation, no transposes
+
+    @property
+    def weight_dtype(self) -> str:
+        return str(next(x.dtype for x in jax.tree.leaves(self.state)
+                        if jnp.issubdtype(x.dtype, jnp.floating)))
+
     def update_weights(self, weights, version: int) -> dict[str, float]:
         """`weights`: an nnx.State of this model's layout (colocated: handed over as is), or a
-        mapping of HF tensor names to arrays (from `rollout.weight_sync.export_hf`)."""
+        mapping of HF tensor names to arrays in HF layout."""
         t0 = time.perf_counter()
         if isinstance(weights, nnx.State):
             # Own copy: the trainer donates its state buffers to the next step.
             nnx.update(model := nnx.merge(self.graphdef, self.state), jax.tree.map(jnp.copy, weights))
             nbytes = sum(x.nbytes for x in jax.tree.leaves(weights))
+            _, self.state = nnx.split(model)
+            self.version = version
         else:
-            from converters.hf import hf_to_nnx
-            from converters.loading import set_params
-
-            model = nnx.merge(self.graphdef, self.state)
-            set_params(model, hf_to_nnx(self.cfg, lambda k: np.asarray(weights[k])))
+            self.start_weight_update(version)
+            self.load_weights(weights.items(), "hf")
+            self.finish_weight_update(version)
             nbytes = sum(np.asarray(v).nbytes for v in weights.values())
-        _, self.state = nnx.split(model)
-        self.version = version
         return {"sync/bytes": float(nbytes), "sync/seconds": time.perf_counter() - t0}
+
+    def start_weight_update(self, version: int, check_digest: bool = False) -> None:
+        """Begin a streamed update: tensors arrive by HF name in any grouping (`load_weights`),
+        each stacked parameter is assembled as its layers arrive, and `finish_weight_update`
+        swaps the new parameters in at once (no request sees half of them)."""
+        from converters.hf import our_tensors
+        from rollout.transfer import Digest
+
+        self._targets = our_tensors(self.cfg)
+        self._incoming, self._ready = {}, {}
+        self._digest = Digest() if check_digest else None
+
+    def load_weights(self, tensors, layout: str = "hf") -> None:
+        from converters.hf import our_path
+
+        for name, arr in tensors:
+            if self._digest is not None:
+                self._digest.update([(name, arr)])
+            path, index, transpose = our_path(self.cfg, name)
+            names, _, stack = self._targets[path]
+            arr = arr if isinstance(arr, np.ndarray) else np.asarray(jax.device_get(arr))
+            if transpose and layout == "hf":
+                arr = arr.T
+            if not stack:
+                self._ready[path] = jnp.asarray(arr)
+                continue
+            buf, left = self._incoming.get(path) or (np.empty(stack + arr.shape, arr.dtype), len(names))
+            buf[index] = arr
+            if left == 1:
+                self._ready[path] = jnp.asarray(buf)
+                self._incoming.pop(path, None)
+            else:
+                self._incoming[path] = (buf, left - 1)
+
+    def finish_weight_update(self, version: int) -> str | None:
+        """Swap the received parameters in; every one must have arrived in full. Returns the
+        digest of what was loaded when `start_weight_update` asked for it."""
+        from converters.loading import set_params
+
+        missing = sorted(".".join(map(str, p)) for p in self._targets if p not in self._ready)
+        if missing:
+            raise RuntimeError(f"weight update to version {version} incomplete: "
+                               f"{len(missing)} parameter(s) not received, e.g. {missing[:3]}")
+        model = set_params(nnx.merge(self.graphdef, self.state), self._ready)
+        _, self.state = nnx.split(model)
+        self._incoming = self._ready = None
+        self.version = version
+        self.last_digest = self._digest.hexdigest() if self._digest is not None else None
+        return self.last_digest
 
     @property
     def probe_tolerance(self) -> float:

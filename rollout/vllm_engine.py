@@ -52,25 +52,53 @@ class VllmEngine:
         self.probe_tolerance = 1e-3 if dtype == "float32" else 1e-1
         self.llm.collective_rpc(_install_semantics)
         self._full = False
+        self.weight_dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+
+    weight_layout = "hf"
 
     def update_weights(self, weights: Mapping[str, object], version: int) -> dict[str, float]:
         """`weights`: HF tensor name -> array (numpy, torch, or JAX: taken through DLPack, no copy
         on CPU)."""
+        t0 = time.perf_counter()
+        self.start_weight_update(version)
+        nbytes = self.load_weights(weights.items())
+        self.finish_weight_update(version)
+        return {"sync/bytes": float(nbytes), "sync/seconds": time.perf_counter() - t0}
+
+    def start_weight_update(self, version: int, check_digest: bool = False) -> None:
+        """Begin a streamed update, as vLLM's own weight-transfer engines do: layerwise reload
+        state initialized, then `load_weights` per bucket, `finish_weight_update` processes
+        the loaded layers (repacking for the CPU kernels included)."""
+        from rollout.transfer import Digest
+
+        self._digest = Digest() if check_digest else None
+        self.llm.collective_rpc(_start_reload)
+
+    def load_weights(self, tensors, layout: str = "hf") -> int:
         import torch
 
-        t0 = time.perf_counter()
-        tensors = [(name, _to_torch(arr)) for name, arr in weights.items()]
-        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        if layout != "hf":
+            raise ValueError(f"vLLM loads HF-layout tensors, not {layout!r}")
+        tensors = [(name, _to_torch(arr)) for name, arr in tensors]
+        if self._digest is not None:
+            self._digest.update(tensors)
 
         def load(worker):
-            worker.model_runner.reload_weights(weights_iterator=iter(tensors))
-            _refresh_embedding_gemms(worker.model_runner.get_model())
+            worker.model_runner.get_model().load_weights(iter(tensors))
 
         with torch.no_grad():
             self.llm.collective_rpc(load)
-        self.llm.reset_prefix_cache()
+        return sum(t.numel() * t.element_size() for _, t in tensors)
+
+    def finish_weight_update(self, version: int) -> str | None:
+        import torch
+
+        with torch.no_grad():
+            self.llm.collective_rpc(_finish_reload)
+        self.llm.reset_prefix_cache()  # no KV computed with the old weights is reused
         self.version = version
-        return {"sync/bytes": float(nbytes), "sync/seconds": time.perf_counter() - t0}
+        self.last_digest = self._digest.hexdigest() if self._digest is not None else None
+        return self.last_digest
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """Teacher-forced log-probs of each sequence's tokens after the first (vLLM's prompt
@@ -187,6 +215,22 @@ def _set_full_logprobs(worker, full: bool) -> None:
     worker.model_runner.sampler._posttrain_semantics.full = full
 
 
+def _start_reload(worker) -> None:
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(worker.model_runner.get_model())
+
+
+def _finish_reload(worker) -> None:
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    runner = worker.model_runner
+    finalize_layerwise_reload(runner.get_model(), runner.model_config)
+    _refresh_embedding_gemms(runner.get_model())
+    _refresh_moe_prepack(runner.get_model())
+    runner.reset_lora_state()  # what vLLM's own reload_weights resets after loading
+
+
 def _refresh_embedding_gemms(model) -> None:
     """vLLM's CPU backend prepacks the embedding matrix for its use as a tied LM head
     (`UnquantizedEmbeddingMethod.process_weights_after_loading`), and `reload_weights` does not
@@ -199,12 +243,29 @@ def _refresh_embedding_gemms(model) -> None:
             method.process_weights_after_loading(module)
 
 
+def _refresh_moe_prepack(model) -> None:
+    """vLLM 0.32's unquantized MoE method runs its experts' `process_weights_after_loading`
+    (on CPU: the prepack into the grouped-GEMM layout) only on the first load; after an RL
+    weight update the CPU kernel would read freshly loaded, unpacked experts as if packed (the
+    probe check measured a log-prob gap of 0.5 on a tiny Qwen3-MoE). Redo it on CPU."""
+    import torch
+
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__module__.endswith("cpu_moe") and \
+                getattr(module, "w13_weight", None) is not None and module.w13_weight.device == torch.device("cpu"):
+            experts.process_weights_after_loading(module)
+
+
 def _to_torch(arr):
     import torch
 
     if isinstance(arr, torch.Tensor):
         return arr
     if isinstance(arr, np.ndarray):
+        if arr.dtype.name == "bfloat16":  # ml_dtypes' bfloat16: torch takes its bits
+            return torch.from_numpy(np.ascontiguousarray(arr).view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(np.ascontiguousarray(arr))
     try:  # a JAX array: zero-copy through DLPack on CPU
         return torch.utils.dlpack.from_dlpack(arr)

@@ -1,11 +1,11 @@
 """Versioned weight sync from the trainer to rollout engines.
 
 The trainer's parameters leave under HF names (the converter map), so any engine that loads HF
-checkpoints can take them:
+checkpoints can take them, bucket by bucket over a transport (`rollout.transfer`):
 - colocated JAX engine: the NNX state itself (same model code, nothing converted or copied);
 - colocated vLLM engine: torch views over the JAX buffers through DLPack (no copy on CPU);
-- Ray workers (disaggregated): host numpy arrays put once in Ray's object store, which every
-  worker on the node reads without a copy.
+- Ray workers (disaggregated): packed buckets through Ray's object store (pipelined) or a gloo
+  broadcast from the trainer's process (`rollout.transport`).
 Every engine confirms the version it now serves, and then proves it serves the trainer's weights:
 it scores a fixed probe (a few token sequences, teacher-forced) and the trainer compares those
 log-probs with its own (`check_probe`). A gap beyond the engine's tolerance (fp32: 1e-4 JAX,
@@ -90,30 +90,51 @@ def check_probe(engines, model: nnx.Module, sequences: list[list[int]], version:
 
 
 def push(engines, state: nnx.State, cfg: ModelConfig, version: int, *, probe=None,
-         model: nnx.Module | None = None, lora_scale: float | None = None) -> dict[str, float]:
-    """Send `state` to every engine (in-process engines or a `WorkerGroup`); verify the version
-    and, given `probe` sequences and the trainer's `model`, the weights (`check_probe`). Engines
-    that take HF tensors get the effective weights (LoRA merged with `lora_scale`, int8
-    dequantized); the colocated JAX engine runs the trainer's own modules on its state."""
+         model: nnx.Module | None = None, lora_scale: float | None = None,
+         transport: str = "auto", bucket_bytes: int | None = None,
+         check_digest: bool = False, timeout_s: float = 600.0) -> dict[str, float]:
+    """Send `state` to every engine (in-process engines or a `WorkerGroup`) over `transport`
+    (`rollout.transfer.make_transport`; the transport of an engine is kept between syncs);
+    verify the version and, given `probe` sequences and the trainer's `model`, the weights
+    (`check_probe`). Engines that take HF tensors get the effective weights (LoRA merged with
+    `lora_scale`, int8 dequantized) in their layout and dtype; the colocated JAX engine runs
+    the trainer's own modules on its state. With `check_digest` every engine also hashes what
+    it loaded and the hash must equal the exporter's (`sync/digest_ok`): bitwise delivery."""
     from rollout.jax_engine import JaxEngine
+    from rollout.transfer import DEFAULT_BUCKET_BYTES, Exporter, export_digest, make_transport
     from rollout.worker import WorkerGroup
 
     t0 = time.perf_counter()
-    nbytes = 0.0
+    nbytes, buckets = 0.0, 0.0
     for eng in engines:
-        if isinstance(eng, JaxEngine):
+        if isinstance(eng, JaxEngine) and transport in ("auto", "in_process"):
             m = eng.update_weights(state, version)
-        elif isinstance(eng, WorkerGroup):
-            m = eng.update_weights(hf_numpy(state, cfg, lora_scale), version)
         else:
-            m = eng.update_weights(hf_torch_views(state, cfg, lora_scale), version)
+            tr = getattr(eng, "_posttrain_transport", None)
+            if tr is None or tr.requested != transport:
+                if tr is not None:
+                    tr.close()
+                tr = make_transport(transport, eng, timeout_s=timeout_s)
+                tr.requested = transport
+                eng._posttrain_transport = tr
+            exporter = Exporter(state, cfg, layout=eng.weight_layout, dtype=eng.weight_dtype,
+                                lora_scale=lora_scale, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES)
+            m = tr.send(exporter, version, check_digest)
+            buckets += m["sync/buckets"]
+            if check_digest:
+                want = export_digest(exporter)
+                got = ([eng.last_digest] if not isinstance(eng, WorkerGroup)
+                       else eng.call_all("last_digest"))
+                if any(g != want for g in got):
+                    raise WeightSyncError(f"{eng}: the tensors loaded differ from those sent "
+                                          f"(digests {got} != {want})")
         nbytes += m["sync/bytes"]
         served = eng.version if not isinstance(eng, WorkerGroup) else min(eng.versions())
         if served != version:
             raise WeightSyncError(f"engine {eng} reports version {served} after a sync to {version}")
     seconds = time.perf_counter() - t0
     out = {"sync/bytes": nbytes, "sync/seconds": seconds, "sync/gbps": nbytes / seconds / 1e9,
-           "sync/version": float(version)}
+           "sync/version": float(version), "sync/buckets": buckets}
     if probe is not None:
         t0 = time.perf_counter()
         out["sync/probe_gap"] = check_probe(engines, model, probe, version)

@@ -3,9 +3,14 @@
 `WorkerGroup(spec, n)` starts n `RolloutWorker` actors, each building its own engine from a spec
 (`{"kind": "jax" | "vllm", "model_dir": ..., ...}`). `generate` splits the prompts into one chunk
 per live worker and gathers the results in prompt order. A worker that dies mid-batch is replaced
-by a fresh actor, which first receives the latest weights, and its chunk is retried: no request
-is lost or served twice. Weights go through Ray's object store once (`ray.put`), read by every
-worker on the node without a copy.
+by a fresh actor and its chunk is retried: no request is lost or served twice. The replacement
+first loads the latest weights when a copy of them is kept in the object store (a whole-dict
+sync, or the object-store transport with `keep_for_restarts`); otherwise it sits out until the
+next sync, and its chunk goes to a worker that serves the current version.
+
+Weights arrive bucket by bucket (`rollout.transfer`): `start_weight_update`, then `load_bucket`
+(object store: the bucket is read from shared memory without a copy) or `recv_bucket` (a gloo
+broadcast from the trainer's process into a buffer here), then `finish_weight_update`.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import time
 from typing import Any
 
+import numpy as np
 import ray
 
 from rollout.engine import Rollout, SamplingParams
@@ -62,6 +68,39 @@ class RolloutWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    # ---- streamed weight updates (rollout.transfer) ----
+    def weight_spec(self) -> tuple[str, str]:
+        return self.engine.weight_layout, self.engine.weight_dtype
+
+    def start_weight_update(self, version: int, check_digest: bool = False) -> None:
+        self.engine.start_weight_update(version, check_digest)
+
+    def load_bucket(self, meta, buf) -> None:
+        from rollout.transfer import unpack
+
+        self.engine.load_weights(unpack(meta, buf), self.engine.weight_layout)
+
+    def init_collective(self, host: str, port: int, rank: int, world: int, timeout_s: float) -> None:
+        from rollout.transfer import collective_group
+
+        self.pg = collective_group(host, port, rank, world, timeout_s)
+
+    def recv_bucket(self, meta) -> None:
+        import torch
+        import torch.distributed as dist
+
+        buf = np.empty(meta.nbytes, np.uint8)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([torch.from_numpy(buf)], opts).wait()
+        self.load_bucket(meta, buf)
+
+    def finish_weight_update(self, version: int) -> str | None:
+        return self.engine.finish_weight_update(version)
+
+    def last_digest(self) -> str | None:
+        return getattr(self.engine, "last_digest", None)
+
 
 class WorkerGroup:
     def __init__(self, spec: dict[str, Any], num_workers: int, max_restarts: int = 3):
@@ -69,24 +108,54 @@ class WorkerGroup:
             ray.init(include_dashboard=False, log_to_driver=False)
         self.spec, self.max_restarts = spec, max_restarts
         self.workers = [RolloutWorker.remote(spec) for _ in range(num_workers)]
-        self._weights_ref, self.version, self.restarts = None, 0, 0
-        ray.get([w.version.remote() for w in self.workers])  # wait until every engine is up
+        self.version, self.restarts = 0, 0
+        self.stash = None  # (version, [(meta, ref)]): buckets kept for replacements
+        self._whole_ref = None  # the last whole-dict sync (`update_weights`), likewise
+        self.stale: set[int] = set()  # replaced workers that do not serve `version` yet
+        self.versions()  # wait until every engine is up
+        self.weight_layout, self.weight_dtype = ray.get(self.workers[0].weight_spec.remote())
+
+    def __repr__(self) -> str:
+        return f"WorkerGroup({len(self.workers)} x {self.spec['kind']})"
 
     def versions(self) -> list[int]:
         return ray.get([w.version.remote() for w in self.workers])
 
     def scores(self, sequences) -> list[tuple[str, float, list[list[float]]]]:
-        """Every worker's probe scores: (name, tolerance, scores) per worker."""
-        tols = ray.get([w.probe_tolerance.remote() for w in self.workers])
-        got = ray.get([w.score.remote(sequences) for w in self.workers])
+        """Every serving worker's probe scores: (name, tolerance, scores) per worker."""
+        live = [i for i in range(len(self.workers)) if i not in self.stale]
+        tols = ray.get([self.workers[i].probe_tolerance.remote() for i in live])
+        got = ray.get([self.workers[i].score.remote(sequences) for i in live])
         return [(f"rollout worker {i} ({self.spec['kind']})", t, g)
-                for i, (t, g) in enumerate(zip(tols, got))]
+                for i, t, g in zip(live, tols, got)]
+
+    # ---- what the transports call ----
+    def members(self) -> tuple:
+        return tuple(w._actor_id.hex() for w in self.workers)
+
+    def submit_all(self, method: str, *args) -> list:
+        return [getattr(w, method).remote(*args) for w in self.workers]
+
+    def wait(self, refs: list):
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as e:
+            dead = [i for i, r in enumerate(refs) if _failed(r)]
+            raise RuntimeError(f"rollout worker(s) {dead} died during a weight sync ({e})") from e
+
+    def call_all(self, method: str, *args):
+        out = self.wait(self.submit_all(method, *args))
+        if method == "finish_weight_update":
+            self.version, self.stale, self._whole_ref = args[0], set(), None
+        return out
 
     def update_weights(self, weights: dict, version: int) -> dict[str, float]:
+        """The whole model as one object (`ray.put` once, every worker reads it): the path
+        before bucketed transports, kept for tests and as the benchmark's baseline."""
         t0 = time.perf_counter()
-        self._weights_ref = ray.put(weights)  # once; every worker reads the same object
-        ray.get([w.update_weights.remote(self._weights_ref, version) for w in self.workers])
-        self.version = version
+        self._whole_ref, self.stash = ray.put(weights), None
+        ray.get([w.update_weights.remote(self._whole_ref, version) for w in self.workers])
+        self.version, self.stale = version, set()
         nbytes = sum(getattr(v, "nbytes", 0) for v in weights.values())
         return {"sync/bytes": float(nbytes), "sync/seconds": time.perf_counter() - t0}
 
@@ -99,30 +168,41 @@ class WorkerGroup:
         except Exception:
             pass
         w = RolloutWorker.remote(self.spec)
-        if self._weights_ref is not None:
-            ray.get(w.update_weights.remote(self._weights_ref, self.version))
+        if self._whole_ref is not None:
+            ray.get(w.update_weights.remote(self._whole_ref, self.version))
+        elif self.stash is not None and self.stash[0] == self.version:
+            ray.get(w.start_weight_update.remote(self.version))
+            ray.get([w.load_bucket.remote(meta, ref) for meta, ref in self.stash[1]])
+            ray.get(w.finish_weight_update.remote(self.version))
+        elif self.version != 0:
+            self.stale.add(i)  # no copy of the weights to give it: it joins at the next sync
         self.workers[i] = w
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
-        n = len(self.workers)
+        live = [i for i in range(len(self.workers)) if i not in self.stale]
+        n = len(live)
         chunks = [(lo, prompts[lo:hi]) for lo, hi in
                   ((len(prompts) * i // n, len(prompts) * (i + 1) // n) for i in range(n)) if hi > lo]
         results: dict[int, list[Rollout]] = {}
-        todo = list(enumerate(chunks))
+        todo = [(c, live[c]) for c in range(len(chunks))]
         while todo:
-            refs = {i: self.workers[i % n].generate.remote(c[1], params) for i, c in todo}
+            refs = {c: (w, self.workers[w].generate.remote(chunks[c][1], params)) for c, w in todo}
             failed = []
-            for i, ref in refs.items():
+            for c, (w, ref) in refs.items():
                 try:
-                    results[i] = ray.get(ref)
+                    results[c] = ray.get(ref)
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError,
                         ray.exceptions.WorkerCrashedError):
-                    self._replace(i % n)
-                    failed.append(i)
-            todo = [(i, chunks[i]) for i in failed]
+                    self._replace(w)
+                    failed.append(c)
+            live = [i for i in range(len(self.workers)) if i not in self.stale]
+            if failed and not live:
+                raise RuntimeError(f"no rollout worker serves weights version {self.version} "
+                                   "after the restarts (the collective transport keeps no copy)")
+            todo = [(c, live[k % len(live)]) for k, c in enumerate(failed)]
         out = []
-        for i, (lo, _) in enumerate(chunks):
-            for r in results[i]:
+        for c, (lo, _) in enumerate(chunks):
+            for r in results[c]:
                 r.prompt_index += lo
                 out.append(r)
         return out
@@ -133,3 +213,11 @@ class WorkerGroup:
                 ray.kill(w)
             except Exception:
                 pass
+
+
+def _failed(ref) -> bool:
+    try:
+        ray.get(ref, timeout=0)
+        return False
+    except Exception:
+        return True

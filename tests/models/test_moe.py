@@ -24,14 +24,15 @@ CASES = [dict(experts=4, top_k=2, norm=True), dict(experts=8, top_k=1, norm=Fals
          dict(experts=8, top_k=3, norm=True)]
 
 
-def save_tiny_moe(path, experts, top_k, norm, seed=0, layers=2):
+def save_tiny_moe(path, experts, top_k, norm, seed=0, layers=2, head_dim=16):
+    """head_dim 64 for vLLM's CPU attention, which has no kernel for 16."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     torch.manual_seed(seed)
     cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, num_experts=experts, num_experts_per_tok=top_k,
+                         head_dim=head_dim, num_experts=experts, num_experts_per_tok=top_k,
                          norm_topk_prob=norm, max_position_embeddings=256, rope_theta=10000.0,
                          tie_word_embeddings=False, router_aux_loss_coef=0.01)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()

@@ -1,0 +1,350 @@
+"""Weights from the trainer to rollout engines, bucket by bucket, over a chosen transport.
+
+The exporter (`Exporter`) turns the trainer's state into the tensors an engine loads: one per HF
+tensor name, in `hf_tensor_names` order (the order both sides derive from the model config, so
+it is agreed without a handshake), in the engine's layout, cast to the engine's dtype, packed
+into buckets of `bucket_bytes` whose boundaries are fixed by metadata alone (`plan_buckets`).
+What leaves is the weight the policy computes with: a LoRA kernel as W + (alpha / r) A B, an
+int8 kernel dequantized, one layer (or expert) of a stacked parameter at a time
+(`EffectiveParams.get`). The host never holds more than the bucket being packed plus one HF
+tensor of work; the transports below keep at most one more bucket in flight.
+
+Two layouts: `hf` ([out, in] torch `weight`s, what vLLM's `load_weights` takes) and `jax` (our
+own orientation, [in, out] kernels under the same HF names: the JAX engine writes them into its
+parameters with no transpose on either side).
+
+Transports, modelled on vLLM's weight-transfer API (init / start / update per bucket / finish):
+- `InProcess`: colocated engines. The JAX engine takes the trainer's NNX state itself; vLLM
+  takes torch views over the JAX buffers (DLPack, no copy on CPU) bucket by bucket.
+- `ObjectStore`: Ray workers. Each bucket is put in Ray's object store once (shared memory on a
+  node, read by every worker there without a copy) and loaded by every worker; the put of bucket
+  k+1 overlaps the workers' loading of bucket k.
+- `Collective`: Ray workers. The trainer's process and the workers form a torch.distributed
+  gloo group (NCCL on GPUs is the GPU transports' job, behind the same interface) and each
+  bucket is broadcast from the trainer into a buffer on every worker, which loads it while the
+  trainer packs the next one.
+`auto` picks in-process for colocated engines, and the object store for Ray workers (measured
+faster than gloo on one node: BENCHMARKS.md; gloo is for when workers are on other nodes
+without a shared object store path, or for parity with NCCL).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import socket
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from converters.export import EffectiveParams
+from converters.hf import hf_shape, hf_tensor_names, our_path
+from posttrain.models.config import ModelConfig
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+ALIGN = 64  # every tensor starts on a cache line inside its bucket
+LAYOUTS = ("hf", "jax")
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int  # bytes into its bucket
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class BucketMeta:
+    index: int
+    nbytes: int
+    tensors: tuple[TensorMeta, ...]
+
+
+def plan_buckets(specs: list[tuple[str, tuple[int, ...], str]], bucket_bytes: int) -> list[BucketMeta]:
+    """Greedy, in the order given: a bucket closes before the tensor that would overflow it; a
+    tensor larger than `bucket_bytes` travels alone."""
+    buckets, cur, size = [], [], 0
+    for name, shape, dtype in specs:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        start = -(-size // ALIGN) * ALIGN
+        if cur and start + nbytes > bucket_bytes:
+            buckets.append(BucketMeta(len(buckets), size, tuple(cur)))
+            cur, start = [], 0
+        cur.append(TensorMeta(name, tuple(shape), str(np.dtype(dtype)), start))
+        size = start + nbytes
+    if cur:
+        buckets.append(BucketMeta(len(buckets), size, tuple(cur)))
+    return buckets
+
+
+def unpack(meta: BucketMeta, buf) -> list[tuple[str, np.ndarray]]:
+    """(name, array view) of every tensor in a packed bucket (no copy)."""
+    buf = np.asarray(buf).reshape(-1).view(np.uint8)
+    return [(t.name, np.frombuffer(buf, t.dtype, int(np.prod(t.shape, dtype=np.int64)),
+                                   t.offset).reshape(t.shape)) for t in meta.tensors]
+
+
+class Exporter:
+    """The policy's effective weights as an engine loads them (see the module docstring)."""
+
+    def __init__(self, state: nnx.State, cfg: ModelConfig, *, layout: str = "hf",
+                 dtype: str | None = None, lora_scale: float | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout {layout!r}: one of {LAYOUTS}")
+        self.cfg, self.layout = cfg, layout
+        self.params = EffectiveParams(state, lora_scale)
+        self.sources = {n: our_path(cfg, n) for n in hf_tensor_names(cfg)}
+        cast = None if dtype in (None, "auto") else jnp.dtype(dtype)  # bfloat16 via ml_dtypes
+        self.plan = plan_buckets([(n, self._shape(n), cast or self.params.dtype(src[0]))
+                                  for n, src in self.sources.items()], bucket_bytes)
+        self.nbytes = sum(b.nbytes for b in self.plan)
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        shape = hf_shape(self.cfg, name)
+        return shape[::-1] if self.layout == "jax" and self.sources[name][2] else shape
+
+    def tensor(self, name: str):
+        """One tensor in the export layout, on the trainer's device (a slice of a stacked
+        parameter, a merged LoRA kernel: computed now), not yet cast; a view where possible."""
+        path, index, transpose = self.sources[name]
+        arr = self.params.get(path, index)
+        return arr.T if transpose and self.layout == "hf" else arr
+
+    def buckets(self) -> Iterator[tuple[BucketMeta, np.ndarray]]:
+        """(meta, packed uint8 buffer) per bucket; a new buffer each, released by the caller."""
+        for meta in self.plan:
+            buf = np.empty(meta.nbytes, np.uint8)
+            for (_, dst), t in zip(unpack(meta, buf), meta.tensors):
+                np.copyto(dst, _host(self.tensor(t.name)), casting="unsafe")
+            yield meta, buf
+
+    def views(self) -> Iterator[tuple[BucketMeta, list[tuple[str, object]]]]:
+        """(meta, [(name, tensor)]) per bucket, unpacked: device arrays or views of them, for
+        an engine in this process (the caller casts if it must)."""
+        for meta in self.plan:
+            yield meta, [(t.name, self.tensor(t.name)) for t in meta.tensors]
+
+
+def _host(arr) -> np.ndarray:
+    return arr if isinstance(arr, np.ndarray) else np.asarray(jax.device_get(arr))
+
+
+class Digest:
+    """A running hash over (name, dtype, shape, bytes) of tensors in order: what a receiving
+    engine computes over what it loaded, to prove a transport bitwise."""
+
+    def __init__(self):
+        self.h = hashlib.blake2b(digest_size=16)
+
+    def update(self, tensors) -> Digest:
+        for name, arr in tensors:
+            arr = np.ascontiguousarray(_to_numpy(arr))
+            self.h.update(f"{name}|{arr.dtype}|{arr.shape}|".encode())
+            self.h.update(arr.view(np.uint8).reshape(-1).data)
+        return self
+
+    def hexdigest(self) -> str:
+        return self.h.hexdigest()
+
+
+def _to_numpy(arr) -> np.ndarray:
+    if hasattr(arr, "numpy") and type(arr).__module__.startswith("torch"):
+        return arr.detach().cpu().numpy()
+    return _host(arr)
+
+
+def export_digest(exporter: Exporter) -> str:
+    """The digest of everything `exporter` sends, as an engine would compute it."""
+    d = Digest()
+    for meta, buf in exporter.buckets():
+        d.update(unpack(meta, buf))
+    return d.hexdigest()
+
+
+# ---- transports (trainer side) -----------------------------------------------------------------
+class Transport:
+    """Trainer side of weight syncs into one engine or one `WorkerGroup`:
+    `init(exporter)` once before the first sync (channels, the plan), then per sync `start`,
+    `update` per bucket, `finish` (the engines confirm). `send` runs one whole sync."""
+
+    name = "transport"
+    requested = None  # the recipe's name for it ("auto" or a name)
+    packed = True  # buckets as one buffer (True) or as unpacked tensor views
+
+    def __init__(self, target):
+        self.target = target
+
+    def init(self, exporter: Exporter) -> None:
+        pass
+
+    def start(self, version: int, check_digest: bool = False) -> None:
+        raise NotImplementedError
+
+    def update(self, meta: BucketMeta, payload) -> None:
+        raise NotImplementedError
+
+    def finish(self, version: int) -> None:
+        raise NotImplementedError
+
+    def send(self, exporter: Exporter, version: int, check_digest: bool = False) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.layout = exporter.layout
+        self.start(version, check_digest)
+        for meta, payload in (exporter.buckets() if self.packed else exporter.views()):
+            self.update(meta, payload)
+            del payload
+        self.finish(version)
+        seconds = time.perf_counter() - t0
+        return {"sync/bytes": float(exporter.nbytes), "sync/seconds": seconds,
+                "sync/buckets": float(len(exporter.plan))}
+
+    def close(self) -> None:
+        pass
+
+
+class InProcess(Transport):
+    """An engine in the trainer's process: its `start/load/finish_weight_update` directly."""
+
+    name, packed = "in_process", False
+
+    def start(self, version, check_digest=False):
+        self.target.start_weight_update(version, check_digest)
+
+    def update(self, meta, payload):
+        self.target.load_weights(payload, self.layout)
+
+    def finish(self, version):
+        self.target.finish_weight_update(version)
+
+
+class ObjectStore(Transport):
+    """Ray workers: one `ray.put` per bucket, loaded by every worker; `depth` buckets in flight
+    while the next is packed and put. With `keep_for_restarts` the buckets stay in the object
+    store after the sync, so a replaced worker loads the current weights at once (costs the
+    store one copy of the model); without, it sits out until the next sync."""
+
+    name = "object_store"
+
+    def __init__(self, target, depth: int = 1, keep_for_restarts: bool = False):
+        super().__init__(target)
+        self.depth, self.keep = depth, keep_for_restarts
+        self._inflight, self._kept = deque(), []
+
+    def start(self, version, check_digest=False):
+        self.target.stash = None  # the old buckets go before the new ones come
+        self.target.call_all("start_weight_update", version, check_digest)
+
+    def update(self, meta, payload):
+        import ray
+
+        ref = ray.put(payload)
+        if self.keep:
+            self._kept.append((meta, ref))
+        self._inflight.append(self.target.submit_all("load_bucket", meta, ref))
+        while len(self._inflight) > self.depth:
+            self.target.wait(self._inflight.popleft())
+
+    def finish(self, version):
+        while self._inflight:
+            self.target.wait(self._inflight.popleft())
+        self.target.call_all("finish_weight_update", version)
+        if self.keep:
+            self.target.stash, self._kept = (version, self._kept), []
+
+
+class Collective(Transport):
+    """Ray workers in one torch.distributed gloo group with the trainer's process (rank 0):
+    each bucket is broadcast from rank 0 into a buffer on every worker, which loads it while the
+    trainer packs the next. The group re-forms when the workers change (a replaced worker)."""
+
+    name = "collective"
+
+    def __init__(self, target, timeout_s: float = 600.0):
+        super().__init__(target)
+        self.timeout_s, self.pg, self._members, self._pending = timeout_s, None, None, []
+
+    def _ensure_group(self):
+        members = self.target.members()
+        if self.pg is not None and members == self._members:
+            return
+        host, port = _free_address()
+        world = len(members) + 1
+        joins = [w.init_collective.remote(host, port, rank, world, self.timeout_s)
+                 for rank, w in enumerate(self.target.workers, start=1)]
+        self.pg = collective_group(host, port, 0, world, self.timeout_s)
+        self.target.wait(joins)
+        self._members = members
+
+    def start(self, version, check_digest=False):
+        self._ensure_group()
+        self.target.call_all("start_weight_update", version, check_digest)
+
+    def update(self, meta, payload):
+        import torch
+        import torch.distributed as dist
+
+        recv = self.target.submit_all("recv_bucket", meta)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([torch.from_numpy(payload)], opts).wait()
+        if self._pending:  # the workers have loaded the bucket before (they run calls in order)
+            self.target.wait(self._pending)
+        self._pending = recv
+
+    def finish(self, version):
+        if self._pending:
+            self.target.wait(self._pending)
+            self._pending = []
+        self.target.call_all("finish_weight_update", version)
+
+
+def collective_group(host: str, port: int, rank: int, world: int, timeout_s: float):
+    """A gloo process group of its own (not torch's default group, which a vLLM worker in the
+    same process already uses): a TCPStore at host:port, rank 0 its server."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world, rank == 0, timeout=timeout)
+    return dist.ProcessGroupGloo(store, rank, world, timeout)
+
+
+def _free_address() -> tuple[str, int]:
+    import ray
+
+    host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return host, s.getsockname()[1]
+
+
+TRANSPORTS = {"in_process": InProcess, "object_store": ObjectStore, "collective": Collective}
+
+
+def make_transport(name: str, target, **kwargs) -> Transport:
+    """`name`: a key of TRANSPORTS or `auto` (in-process for an engine in this process, the
+    object store for Ray workers)."""
+    from rollout.worker import WorkerGroup
+
+    remote = isinstance(target, WorkerGroup)
+    if name == "auto":
+        name = "object_store" if remote else "in_process"
+    if remote == (name == "in_process"):
+        where = "Ray workers" if remote else "an engine in the trainer's process"
+        raise ValueError(f"transport {name!r} cannot reach {where}")
+    cls = TRANSPORTS[name]
+    return cls(target, **{k: v for k, v in kwargs.items() if k in _KWARGS.get(name, ())})
+
+
+_KWARGS = {"collective": ("timeout_s",), "object_store": ("depth", "keep_for_restarts")}
