@@ -91,6 +91,21 @@ def score_sequences(model_or_split, sequences: Sequence[Sequence[int]]) -> list[
     return [lp[i, :len(s) - 1].tolist() for i, s in enumerate(sequences)]
 
 
+def _adopt(arr: np.ndarray, borrow: bool) -> jax.Array:
+    """`arr` as a JAX array: wrapping its memory when borrowed on CPU, else a copy finished
+    before returning (`arr` may view a buffer that is reused next, and JAX copies host data
+    asynchronously)."""
+    if borrow and arr.flags.c_contiguous and jax.default_backend() == "cpu":
+        import warnings
+
+        import torch
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns that the array is read-only: it stays so
+            return jax.dlpack.from_dlpack(torch.from_numpy(arr))  # JAX copies if misaligned
+    return jnp.array(arr, copy=True).block_until_ready()
+
+
 class JaxEngine:
     def __init__(self, model: CausalLM, tokenizer=None, *, eos_token_ids: Sequence[int] = (),
                  version: int = 0, seed: int = 0, copy_weights: bool = False):
@@ -143,7 +158,11 @@ class JaxEngine:
         self._incoming, self._ready = {}, {}
         self._digest = Digest() if check_digest else None
 
-    def load_weights(self, tensors, layout: str = "hf") -> None:
+    def load_weights(self, tensors, layout: str = "hf", borrow: bool = False) -> None:
+        """Tensors by HF name, in `layout`. With `borrow` the arrays are immutable and live as
+        long as they are referenced (Ray's shared memory): on CPU a parameter that needs no
+        transpose or cast then wraps that memory (DLPack, no copy), so every worker on a node
+        serves one shared copy of the weights; otherwise each is copied."""
         from converters.hf import our_path
 
         for name, arr in tensors:
@@ -155,7 +174,7 @@ class JaxEngine:
             if transpose and layout == "hf":
                 arr = arr.T
             if not stack:
-                self._ready[path] = jnp.asarray(arr)
+                self._ready[path] = _adopt(arr, borrow)
                 continue
             buf, left = self._incoming.get(path) or (np.empty(stack + arr.shape, arr.dtype), len(names))
             buf[index] = arr

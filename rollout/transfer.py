@@ -16,9 +16,10 @@ parameters with no transpose on either side).
 Transports, modelled on vLLM's weight-transfer API (init / start / update per bucket / finish):
 - `InProcess`: colocated engines. The JAX engine takes the trainer's NNX state itself; vLLM
   takes torch views over the JAX buffers (DLPack, no copy on CPU) bucket by bucket.
-- `ObjectStore`: Ray workers. Each bucket is put in Ray's object store once (shared memory on a
-  node, read by every worker there without a copy) and loaded by every worker; the put of bucket
-  k+1 overlaps the workers' loading of bucket k.
+- `ObjectStore`: Ray workers. Each bucket's arrays are put in Ray's object store as one object
+  (shared memory on a node, read by every worker there without a copy; Ray's serializer writes
+  the trainer's arrays straight in, the only copy on the trainer) and loaded by every worker;
+  the put of bucket k+1 overlaps the workers' loading of bucket k.
 - `Collective`: Ray workers. The trainer's process and the workers form a torch.distributed
   gloo group (NCCL on GPUs is the GPU transports' job, behind the same interface) and each
   bucket is broadcast from the trainer into a buffer on every worker, which loads it while the
@@ -122,10 +123,15 @@ class Exporter:
         arr = self.params.get(path, index)
         return arr.T if transpose and self.layout == "hf" else arr
 
-    def buckets(self) -> Iterator[tuple[BucketMeta, np.ndarray]]:
-        """(meta, packed uint8 buffer) per bucket; a new buffer each, released by the caller."""
-        for meta in self.plan:
-            buf = np.empty(meta.nbytes, np.uint8)
+    def buckets(self, buffers: list[np.ndarray] | None = None) -> Iterator[tuple[BucketMeta, np.ndarray]]:
+        """(meta, packed uint8 buffer) per bucket. Each is a new buffer, or, given `buffers`
+        (each at least the largest bucket), the next of them in turn: memory already touched,
+        so packing runs at copy speed instead of page-fault speed (a fresh page costs about
+        as much as copying 16 of them on these machines); the caller must be done with a
+        buffer by the time it comes round again."""
+        for i, meta in enumerate(self.plan):
+            buf = (np.empty(meta.nbytes, np.uint8) if not buffers
+                   else buffers[i % len(buffers)][:meta.nbytes])
             for (_, dst), t in zip(unpack(meta, buf), meta.tensors):
                 np.copyto(dst, _host(self.tensor(t.name)), casting="unsafe")
             yield meta, buf
@@ -135,6 +141,17 @@ class Exporter:
         an engine in this process (the caller casts if it must)."""
         for meta in self.plan:
             yield meta, [(t.name, self.tensor(t.name)) for t in meta.tensors]
+
+    def host_arrays(self) -> Iterator[tuple[BucketMeta, list[tuple[str, np.ndarray]]]]:
+        """(meta, [(name, host array)]) per bucket, each contiguous, in the export dtype: views
+        of the trainer's buffers where nothing had to be computed (a plain parameter on CPU),
+        so a serializer that copies anyway (Ray's object store) makes the only copy."""
+        for meta in self.plan:
+            yield meta, [(t.name, np.ascontiguousarray(_host(self.tensor(t.name))).astype(
+                t.dtype, copy=False)) for t in meta.tensors]
+
+    def largest_bucket(self) -> int:
+        return max(b.nbytes for b in self.plan)
 
 
 def _host(arr) -> np.ndarray:
@@ -181,7 +198,6 @@ class Transport:
 
     name = "transport"
     requested = None  # the recipe's name for it ("auto" or a name)
-    packed = True  # buckets as one buffer (True) or as unpacked tensor views
 
     def __init__(self, target):
         self.target = target
@@ -202,13 +218,16 @@ class Transport:
         t0 = time.perf_counter()
         self.layout = exporter.layout
         self.start(version, check_digest)
-        for meta, payload in (exporter.buckets() if self.packed else exporter.views()):
+        for meta, payload in self.payloads(exporter):
             self.update(meta, payload)
             del payload
         self.finish(version)
         seconds = time.perf_counter() - t0
         return {"sync/bytes": float(exporter.nbytes), "sync/seconds": seconds,
                 "sync/buckets": float(len(exporter.plan))}
+
+    def payloads(self, exporter: Exporter):
+        return exporter.buckets()
 
     def close(self) -> None:
         pass
@@ -217,7 +236,10 @@ class Transport:
 class InProcess(Transport):
     """An engine in the trainer's process: its `start/load/finish_weight_update` directly."""
 
-    name, packed = "in_process", False
+    name = "in_process"
+
+    def payloads(self, exporter):
+        return exporter.views()
 
     def start(self, version, check_digest=False):
         self.target.start_weight_update(version, check_digest)
@@ -236,6 +258,9 @@ class ObjectStore(Transport):
     store one copy of the model); without, it sits out until the next sync."""
 
     name = "object_store"
+
+    def payloads(self, exporter):
+        return exporter.host_arrays()  # Ray's serializer writes each array into shared memory
 
     def __init__(self, target, depth: int = 1, keep_for_restarts: bool = False):
         super().__init__(target)
@@ -274,6 +299,14 @@ class Collective(Transport):
     def __init__(self, target, timeout_s: float = 600.0):
         super().__init__(target)
         self.timeout_s, self.pg, self._members, self._pending = timeout_s, None, None, []
+        self._buffers: list[np.ndarray] = []
+
+    def payloads(self, exporter):
+        # a broadcast has left the trainer when it returns: two buffers, reused sync after sync
+        need = exporter.largest_bucket()
+        if not self._buffers or self._buffers[0].nbytes < need:
+            self._buffers = [np.zeros(need, np.uint8) for _ in range(2)]
+        return exporter.buckets(self._buffers)
 
     def _ensure_group(self):
         members = self.target.members()

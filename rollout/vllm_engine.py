@@ -74,7 +74,7 @@ class VllmEngine:
         self._digest = Digest() if check_digest else None
         self.llm.collective_rpc(_start_reload)
 
-    def load_weights(self, tensors, layout: str = "hf") -> int:
+    def load_weights(self, tensors, layout: str = "hf", borrow: bool = False) -> int:
         import torch
 
         if layout != "hf":

@@ -75,10 +75,14 @@ class RolloutWorker:
     def start_weight_update(self, version: int, check_digest: bool = False) -> None:
         self.engine.start_weight_update(version, check_digest)
 
-    def load_bucket(self, meta, buf) -> None:
+    def load_bucket(self, meta, bucket) -> None:
+        """`bucket`: a packed buffer, or the bucket's (name, array) list."""
         from rollout.transfer import unpack
 
-        self.engine.load_weights(unpack(meta, buf), self.engine.weight_layout)
+        if isinstance(bucket, list):  # from the object store: immutable shared memory
+            self.engine.load_weights(bucket, self.engine.weight_layout, borrow=True)
+        else:
+            self.engine.load_weights(unpack(meta, bucket), self.engine.weight_layout)
 
     def init_collective(self, host: str, port: int, rank: int, world: int, timeout_s: float) -> None:
         from rollout.transfer import collective_group
@@ -89,7 +93,10 @@ class RolloutWorker:
         import torch
         import torch.distributed as dist
 
-        buf = np.empty(meta.nbytes, np.uint8)
+        # one receive buffer, kept: the engine copies out of it before the next bucket comes
+        if getattr(self, "_recv", None) is None or self._recv.nbytes < meta.nbytes:
+            self._recv = np.zeros(meta.nbytes, np.uint8)
+        buf = self._recv[:meta.nbytes]
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         self.pg.broadcast([torch.from_numpy(buf)], opts).wait()

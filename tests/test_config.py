@@ -108,3 +108,19 @@ def test_config_is_frozen_and_round_trips(tmp_path):
     assert "async:\n  off_policy_steps: 1" in cfg.to_yaml()  # written under its YAML name
     again = write(tmp_path, cfg.to_yaml(), "again.yaml")
     assert load_recipe(again)[0] == cfg
+
+
+@pytest.mark.parametrize("placement,transport,ok", [
+    ("colocated", "in_process", True), ("colocated", "object_store", False),
+    ("disaggregated", "collective", True), ("disaggregated", "in_process", False),
+    ("colocated", "auto", True), ("disaggregated", "auto", True)])
+def test_weight_transport_must_reach_the_engines(placement, transport, ok):
+    from pydantic import ValidationError
+
+    from posttrain.config import RolloutSection
+
+    if ok:
+        assert RolloutSection(placement=placement, transport=transport).transport == transport
+    else:
+        with pytest.raises(ValidationError, match=f"transport '{transport}' cannot reach"):
+            RolloutSection(placement=placement, transport=transport)
