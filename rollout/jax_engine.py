@@ -124,6 +124,7 @@ class JaxEngine:
 
     # ---- weights ---------------------------------------------------------------------------
     weight_layout = "jax"  # what `load_weights` takes best: our orientation, no transposes
+    copies_on_load = True  # `load_weights` is done with its (non-borrowed) inputs on return
 
     @property
     def weight_dtype(self) -> str:

@@ -55,6 +55,7 @@ class VllmEngine:
         self.weight_dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
 
     weight_layout = "hf"
+    copies_on_load = False  # layerwise reload may keep a layer's tensors until it is complete
 
     def update_weights(self, weights: Mapping[str, object], version: int) -> dict[str, float]:
         """`weights`: HF tensor name -> array (numpy, torch, or JAX: taken through DLPack, no copy

@@ -93,10 +93,16 @@ class RolloutWorker:
         import torch
         import torch.distributed as dist
 
-        # one receive buffer, kept: the engine copies out of it before the next bucket comes
-        if getattr(self, "_recv", None) is None or self._recv.nbytes < meta.nbytes:
-            self._recv = np.zeros(meta.nbytes, np.uint8)
-        buf = self._recv[:meta.nbytes]
+        # One receive buffer, kept, when the engine copies out of it before the next bucket
+        # comes (JAX). vLLM's layerwise reload may hold a layer's tensors until the layer is
+        # complete: a fresh buffer per bucket (reusing one served a corrupted model, which the
+        # probe check caught).
+        if not self.engine.copies_on_load:
+            buf = np.empty(meta.nbytes, np.uint8)
+        else:
+            if getattr(self, "_recv", None) is None or self._recv.nbytes < meta.nbytes:
+                self._recv = np.zeros(meta.nbytes, np.uint8)
+            buf = self._recv[:meta.nbytes]
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         self.pg.broadcast([torch.from_numpy(buf)], opts).wait()
