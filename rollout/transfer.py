@@ -137,10 +137,20 @@ class Exporter:
             yield meta, buf
 
     def views(self) -> Iterator[tuple[BucketMeta, list[tuple[str, object]]]]:
-        """(meta, [(name, tensor)]) per bucket, unpacked: device arrays or views of them, for
-        an engine in this process (the caller casts if it must)."""
+        """(meta, [(name, tensor)]) per bucket, unpacked, for an engine in this process (the
+        caller casts if it must): device arrays, or for the HF layout torch views over them
+        (DLPack, then a transposed view: nothing copied where nothing had to be computed)."""
         for meta in self.plan:
-            yield meta, [(t.name, self.tensor(t.name)) for t in meta.tensors]
+            yield meta, [(t.name, self._view(t.name)) for t in meta.tensors]
+
+    def _view(self, name: str):
+        path, index, transpose = self.sources[name]
+        arr = self.params.get(path, index)
+        if not (transpose and self.layout == "hf"):
+            return arr
+        import torch
+
+        return torch.utils.dlpack.from_dlpack(arr).T
 
     def host_arrays(self) -> Iterator[tuple[BucketMeta, list[tuple[str, np.ndarray]]]]:
         """(meta, [(name, host array)]) per bucket, each contiguous, in the export dtype: views

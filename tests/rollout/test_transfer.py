@@ -273,3 +273,23 @@ if __name__ == "__main__":
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     vllm_in_process(Path(sys.argv[1]), sys.argv[2])
     os._exit(0)
+
+
+def test_exporter_casts_to_the_engine_dtype(dirs):
+    """A bf16 engine gets bf16 tensors (rounded once, on the trainer), and they reach torch
+    with the same bits (vLLM's side of `_to_torch`)."""
+    import ml_dtypes
+    import torch
+
+    from rollout.vllm_engine import _to_torch
+
+    model, _, _ = policy(dirs, "scanned")
+    want = hf_numpy(nnx.state(model), model.cfg)
+    ex = Exporter(nnx.state(model), model.cfg, dtype="bfloat16", bucket_bytes=BUCKET)
+    assert ex.nbytes * 2 == sum(a.nbytes for a in want.values())
+    for meta, buf in ex.buckets():
+        for name, a in unpack(meta, buf):
+            assert a.dtype == ml_dtypes.bfloat16
+            assert np.array_equal(a.view(np.uint16), want[name].astype(ml_dtypes.bfloat16).view(np.uint16))
+            t = _to_torch(a)
+            assert t.dtype == torch.bfloat16 and np.array_equal(t.view(torch.int16).numpy(), a.view(np.int16))
