@@ -35,6 +35,8 @@ class EffectiveParams:
         leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
         self._vars = {"/".join(map(_key_name, path)) + "/value": v for path, v in leaves}
         self._scale = lora_scale
+        # every parameter is the trainer's own array (no LoRA merge, no dequantization)
+        self.plain = not any("_lora_a/" in k or "/qvalue/" in k for k in self._vars)
 
     def __getitem__(self, path: tuple):
         return self.get(path)

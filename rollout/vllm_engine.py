@@ -61,10 +61,30 @@ class VllmEngine:
         """`weights`: HF tensor name -> array (numpy, torch, or JAX: taken through DLPack, no copy
         on CPU)."""
         t0 = time.perf_counter()
-        self.start_weight_update(version)
-        nbytes = self.load_weights(weights.items())
-        self.finish_weight_update(version)
+        nbytes = self.load_all(weights.items(), version)
         return {"sync/bytes": float(nbytes), "sync/seconds": time.perf_counter() - t0}
+
+    def load_all(self, tensors, version: int, check_digest: bool = False) -> int:
+        """A whole update in one call into the engine (start, load, finish): for tensors that
+        cost nothing to hold at once (views of the trainer's buffers)."""
+        import torch
+
+        from rollout.transfer import Digest
+
+        tensors = [(name, _to_torch(arr)) for name, arr in tensors]
+        self._digest = Digest().update(tensors) if check_digest else None
+
+        def reload(worker):
+            _start_reload(worker)
+            worker.model_runner.get_model().load_weights(iter(tensors))
+            _finish_reload(worker)
+
+        with torch.no_grad():
+            self.llm.collective_rpc(reload)
+        self.llm.reset_prefix_cache()
+        self.version = version
+        self.last_digest = self._digest.hexdigest() if self._digest is not None else None
+        return sum(t.numel() * t.element_size() for _, t in tensors)
 
     def start_weight_update(self, version: int, check_digest: bool = False) -> None:
         """Begin a streamed update, as vLLM's own weight-transfer engines do: layerwise reload

@@ -193,6 +193,9 @@ class WorkerGroup:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
         live = [i for i in range(len(self.workers)) if i not in self.stale]
+        if not live:
+            raise RuntimeError(f"no rollout worker serves weights version {self.version} "
+                               "(replaced workers join at the next sync)")
         n = len(live)
         chunks = [(lo, prompts[lo:hi]) for lo, hi in
                   ((len(prompts) * i // n, len(prompts) * (i + 1) // n) for i in range(n)) if hi > lo]

@@ -174,7 +174,9 @@ def vllm_in_process(root, model: str) -> None:
         pol, scale, _ = policy(root, kind)
         m = push([eng], nnx.state(pol), pol.cfg, v, probe=probe_sequences(pol.cfg.vocab_size),
                  model=pol, lora_scale=scale, bucket_bytes=BUCKET, check_digest=True)
-        assert m["sync/buckets"] > 2 and m["sync/probe_gap"] <= 1e-3, (kind, m)
+        # plain weights go as views in one call; computed ones (LoRA merges) bucket by bucket
+        assert m["sync/buckets"] == 1 if scale is None else m["sync/buckets"] > 2, (kind, m)
+        assert m["sync/probe_gap"] <= 1e-3, (kind, m)
         print(kind, "ok", m["sync/probe_gap"])
 
 

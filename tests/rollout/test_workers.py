@@ -71,3 +71,34 @@ def test_two_workers_serve_a_batch_and_survive_a_kill(model_dir, kind):
         assert {r.version for r in out} == {3}  # the replacement got the latest weights
     finally:
         group.shutdown()
+
+
+@pytest.mark.slow
+def test_replaced_worker_sits_out_until_the_next_bucketed_sync(model_dir):
+    """Bucketed transports keep no copy of the weights: a worker killed after a sync is replaced,
+    its requests go to the worker that serves the current version, and the replacement joins at
+    the next sync. A group with no such worker left says so instead of serving old weights."""
+    from flax import nnx
+
+    from rollout.weight_sync import push
+
+    model = from_pretrained(model_dir)
+    group = WorkerGroup(spec("jax", model_dir), num_workers=2)
+    try:
+        push([group], nnx.state(model), model.cfg, 1, transport="object_store")
+        ray.kill(group.workers[0])
+        out = group.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8))
+        assert sorted(r.prompt_index for r in out) == list(range(8))
+        assert {r.version for r in out} == {1} and group.stale == {0}
+        push([group], nnx.state(model), model.cfg, 2, transport="collective")
+        assert group.stale == set() and group.versions() == [2, 2]
+    finally:
+        group.shutdown()
+    solo = WorkerGroup(spec("jax", model_dir), num_workers=1)
+    try:
+        push([solo], nnx.state(model), model.cfg, 1, transport="object_store")
+        ray.kill(solo.workers[0])
+        with pytest.raises(RuntimeError, match="no rollout worker serves weights version 1"):
+            solo.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8))
+    finally:
+        solo.shutdown()
