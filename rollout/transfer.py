@@ -206,9 +206,9 @@ def export_digest(exporter: Exporter) -> str:
 
 # ---- transports (trainer side) -----------------------------------------------------------------
 class Transport:
-    """Trainer side of weight syncs into one engine or one `WorkerGroup`:
-    `init(exporter)` once before the first sync (channels, the plan), then per sync `start`,
-    `update` per bucket, `finish` (the engines confirm). `send` runs one whole sync."""
+    """Trainer side of weight syncs into one engine or one `WorkerGroup`. `send` runs one
+    whole sync: `init` (channels: a no-op once they stand), `start`, `update` per bucket,
+    `finish` (the engines confirm)."""
 
     name = "transport"
     requested = None  # the recipe's name for it ("auto" or a name)
@@ -231,6 +231,7 @@ class Transport:
     def send(self, exporter: Exporter, version: int, check_digest: bool = False) -> dict[str, float]:
         t0 = time.perf_counter()
         self.layout = exporter.layout
+        self.init(exporter)
         self.start(version, check_digest)
         for meta, payload in self.payloads(exporter):
             self.update(meta, payload)
@@ -310,6 +311,7 @@ class ObjectStore(Transport):
         while self._inflight:
             self.target.wait(self._inflight.popleft())
         self.target.call_all("finish_weight_update", version)
+        self.target.synced(version)
         if self.keep:
             self.target.stash, self._kept = (version, self._kept), []
 
@@ -333,7 +335,7 @@ class Collective(Transport):
             self._buffers = [np.zeros(need, np.uint8) for _ in range(2)]
         return exporter.buckets(self._buffers)
 
-    def _ensure_group(self):
+    def init(self, exporter):
         members = self.target.members()
         if self.pg is not None and members == self._members:
             return
@@ -346,17 +348,11 @@ class Collective(Transport):
         self._members = members
 
     def start(self, version, check_digest=False):
-        self._ensure_group()
         self.target.call_all("start_weight_update", version, check_digest)
 
     def update(self, meta, payload):
-        import torch
-        import torch.distributed as dist
-
         recv = self.target.submit_all("recv_bucket", meta)
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self.pg.broadcast([torch.from_numpy(payload)], opts).wait()
+        broadcast(self.pg, payload)
         if self._pending:  # the workers have loaded the bucket before (they run calls in order)
             self.target.wait(self._pending)
         self._pending = recv
@@ -366,6 +362,7 @@ class Collective(Transport):
             self.target.wait(self._pending)
             self._pending = []
         self.target.call_all("finish_weight_update", version)
+        self.target.synced(version)
 
 
 def collective_group(host: str, port: int, rank: int, world: int, timeout_s: float):
@@ -376,6 +373,16 @@ def collective_group(host: str, port: int, rank: int, world: int, timeout_s: flo
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world, rank == 0, timeout=timeout)
     return dist.ProcessGroupGloo(store, rank, world, timeout)
+
+
+def broadcast(pg, buf: np.ndarray) -> None:
+    """Broadcast `buf` from rank 0 of `pg` into every rank's `buf` (in place)."""
+    import torch
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    pg.broadcast([torch.from_numpy(buf)], opts).wait()
 
 
 def _free_address() -> tuple[str, int]:
@@ -390,7 +397,7 @@ def _free_address() -> tuple[str, int]:
 TRANSPORTS = {"in_process": InProcess, "object_store": ObjectStore, "collective": Collective}
 
 
-def make_transport(name: str, target, **kwargs) -> Transport:
+def make_transport(name: str, target, timeout_s: float = 600.0) -> Transport:
     """`name`: a key of TRANSPORTS or `auto` (in-process for an engine in this process, the
     object store for Ray workers)."""
     from rollout.worker import WorkerGroup
@@ -401,8 +408,4 @@ def make_transport(name: str, target, **kwargs) -> Transport:
     if remote == (name == "in_process"):
         where = "Ray workers" if remote else "an engine in the trainer's process"
         raise ValueError(f"transport {name!r} cannot reach {where}")
-    cls = TRANSPORTS[name]
-    return cls(target, **{k: v for k, v in kwargs.items() if k in _KWARGS.get(name, ())})
-
-
-_KWARGS = {"collective": ("timeout_s",), "object_store": ("depth", "keep_for_restarts")}
+    return Collective(target, timeout_s) if name == "collective" else TRANSPORTS[name](target)

@@ -81,9 +81,7 @@ class VllmEngine:
 
         with torch.no_grad():
             self.llm.collective_rpc(reload)
-        self.llm.reset_prefix_cache()
-        self.version = version
-        self.last_digest = self._digest.hexdigest() if self._digest is not None else None
+        self._serve(version)
         return sum(t.numel() * t.element_size() for _, t in tensors)
 
     def start_weight_update(self, version: int, check_digest: bool = False) -> None:
@@ -116,6 +114,9 @@ class VllmEngine:
 
         with torch.no_grad():
             self.llm.collective_rpc(_finish_reload)
+        return self._serve(version)
+
+    def _serve(self, version: int) -> str | None:
         self.llm.reset_prefix_cache()  # no KV computed with the old weights is reused
         self.version = version
         self.last_digest = self._digest.hexdigest() if self._digest is not None else None

@@ -25,20 +25,18 @@ import numpy as np
 from flax import nnx
 
 from converters.export import EffectiveParams
-from converters.hf import hf_tensor_names, nnx_to_hf, our_path
+from converters.hf import nnx_to_hf
 from posttrain.models.config import ModelConfig
 
 
 def hf_torch_views(state: nnx.State, cfg: ModelConfig, lora_scale: float | None = None) -> dict:
-    """HF name -> torch tensor viewing the JAX buffer (DLPack; zero-copy on CPU: the layer
-    slices and transposes are torch views; a merged LoRA or dequantized int8 kernel is a new
-    array)."""
-    import torch
+    """HF name -> the exporter's in-process view of each tensor (a torch view over the JAX
+    buffer where a transpose is due, the JAX array itself otherwise: no copy on CPU; a merged
+    LoRA or dequantized int8 kernel is a new array)."""
+    from rollout.transfer import Exporter
 
-    params = EffectiveParams(state, lora_scale)
-    needed = {our_path(cfg, name)[0] for name in hf_tensor_names(cfg)}
-    views = {path: torch.utils.dlpack.from_dlpack(params[path]) for path in needed}
-    return dict(nnx_to_hf(cfg, views, contiguous=False))
+    exporter = Exporter(state, cfg, lora_scale=lora_scale)
+    return {name: v for _, views in exporter.views() for name, v in views}
 
 
 def hf_numpy(state: nnx.State, cfg: ModelConfig, lora_scale: float | None = None) -> dict[str, np.ndarray]:

@@ -90,8 +90,7 @@ class RolloutWorker:
         self.pg = collective_group(host, port, rank, world, timeout_s)
 
     def recv_bucket(self, meta) -> None:
-        import torch
-        import torch.distributed as dist
+        from rollout.transfer import broadcast
 
         # One receive buffer, kept, when the engine copies out of it before the next bucket
         # comes (JAX). vLLM's layerwise reload may hold a layer's tensors until the layer is
@@ -103,9 +102,7 @@ class RolloutWorker:
             if getattr(self, "_recv", None) is None or self._recv.nbytes < meta.nbytes:
                 self._recv = np.zeros(meta.nbytes, np.uint8)
             buf = self._recv[:meta.nbytes]
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self.pg.broadcast([torch.from_numpy(buf)], opts).wait()
+        broadcast(self.pg, buf)
         self.load_bucket(meta, buf)
 
     def finish_weight_update(self, version: int) -> str | None:
@@ -157,10 +154,11 @@ class WorkerGroup:
             raise RuntimeError(f"rollout worker(s) {dead} died during a weight sync ({e})") from e
 
     def call_all(self, method: str, *args):
-        out = self.wait(self.submit_all(method, *args))
-        if method == "finish_weight_update":
-            self.version, self.stale, self._whole_ref = args[0], set(), None
-        return out
+        return self.wait(self.submit_all(method, *args))
+
+    def synced(self, version: int) -> None:
+        """Every worker now serves `version` (a transport finished a sync)."""
+        self.version, self.stale, self._whole_ref = version, set(), None
 
     def update_weights(self, weights: dict, version: int) -> dict[str, float]:
         """The whole model as one object (`ray.put` once, every worker reads it): the path
@@ -232,8 +230,11 @@ class WorkerGroup:
 
 
 def _failed(ref) -> bool:
+    """Whether `ref`'s actor died (a call still running or one that raised otherwise: no)."""
     try:
         ray.get(ref, timeout=0)
-        return False
-    except Exception:
+    except ray.exceptions.RayActorError:
         return True
+    except Exception:
+        pass
+    return False
