@@ -40,7 +40,8 @@ from posttrain.config import OptimizerSection, resolve_stages
 from posttrain.data import generated
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.models import from_pretrained
-from posttrain.pipeline import build_batch, encode_prompt, make_loss_fn
+from posttrain.rollouts import build_batch, encode_prompt
+from posttrain.algorithms.grpo import make_loss_fn
 from posttrain.train.optimizer import make_optimizer
 from posttrain.train.step import next_token_loss, token_logprobs
 from rewards.builtins import math_reward

@@ -37,7 +37,7 @@ def build(work: Path):
 
     from benchmarks.grpo_step import RECIPE
     from posttrain.config import resolve_stages
-    from posttrain.pipeline import make_loss_fn
+    from posttrain.algorithms.grpo import make_loss_fn
     from posttrain.sharding import make_mesh, use_mesh
     from posttrain.train.loop import (
         create_model,

@@ -41,7 +41,7 @@ def straight(text: str) -> bool:
 def habits(model_dir: Path, rows: list[dict], samples: int = 8) -> dict:
     from posttrain.data.tokenizer import load_tokenizer
     from posttrain.models import from_pretrained
-    from posttrain.pipeline import encode_prompt
+    from posttrain.rollouts import encode_prompt
     from rollout.engine import SamplingParams
     from rollout.jax_engine import JaxEngine
 
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--skip-controls", action="store_true")
     args = ap.parse_args()
     run, recipe = Path(args.run), Path(args.recipe)
-    from posttrain.pipeline import prompt_rows
+    from posttrain.rollouts import prompt_rows
 
     stages = resolve_stages(read_yaml(recipe))
     rows = prompt_rows(stages[-1], "eval", args.problems)

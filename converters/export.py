@@ -63,6 +63,16 @@ class EffectiveParams:
         return np.dtype(np.float32)
 
 
+def host_array(x) -> np.ndarray:
+    """`x` on the host. An array spread over several processes (a multi-host trainer) is
+    gathered: every process must then call this for the same arrays in the same order."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 def _take(arr, index: tuple[int, ...]):
     """`arr[index]` over the leading stacking axes; an axis of size 1 broadcasts (an int8
     scale shared by all layers keeps its single row)."""
@@ -82,9 +92,12 @@ def write_hf_config(out: Path, cfg, dtype: str | None, extra: dict | None = None
 
 
 def save_hf(model: nnx.Module, out: Path, dtype: str | None = None,
-            max_shard_bytes: int = SHARD_BYTES, lora_scale: float | None = None) -> None:
+            max_shard_bytes: int = SHARD_BYTES, lora_scale: float | None = None,
+            write: bool = True) -> None:
     """Stream `model` to `out` one tensor at a time (device -> host copies deferred to the
-    write); LoRA adapters merged (`lora_scale` = alpha / rank) and int8 kernels dequantized."""
+    write); LoRA adapters merged (`lora_scale` = alpha / rank) and int8 kernels dequantized.
+    In a multi-host trainer every process calls this (each tensor is gathered) and one
+    writes (`write`)."""
     cfg = model.cfg
     out.mkdir(parents=True, exist_ok=True)
     flat = EffectiveParams(nnx.state(model), lora_scale)
@@ -100,6 +113,10 @@ def save_hf(model: nnx.Module, out: Path, dtype: str | None = None,
             arr = np.asarray(arr)
             yield name, arr if cast is None else arr.astype(cast)
 
+    if not write:
+        for _ in tensors():
+            pass
+        return
     write_sharded(out, hf_specs(cfg, dtype_of), tensors(), max_bytes=max_shard_bytes)
     write_hf_config(out, cfg, dtype)
 
@@ -112,11 +129,11 @@ class _LazyArray:
 
     @property
     def T(self):
-        return np.asarray(self.params[self.path]).T
+        return host_array(self.params[self.path]).T
 
     def __getitem__(self, i):
-        return np.asarray(self.params[self.path][i])  # slice on the device, copy only the slice
+        return host_array(self.params[self.path][i])  # slice on the device, copy only the slice
 
     def __array__(self, dtype=None, copy=None):
-        a = np.asarray(self.params[self.path])
+        a = host_array(self.params[self.path])
         return a if dtype is None else a.astype(dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -320,6 +321,31 @@ class RayConfig(Strict):
     address: str | None = Field(None, description="join this cluster; default: start a local Ray")
 
 
+class TrainerSection(Strict):
+    hosts: int = Field(1, gt=0, description="trainer processes, one Ray actor per host, running "
+                       "one JAX program over a mesh of all their devices; 1: the trainer runs "
+                       "in the driver's process")
+    devices_per_host: int | None = Field(None, gt=0, description="devices each host contributes "
+                                         "(CPU: how many XLA exposes; GPU/TPU: default all)")
+    platform: Literal["auto", "cpu", "gpu", "tpu"] = Field(
+        "auto", description="auto: gpu with gpus_per_host, tpu with a TPU resource, else cpu")
+    cpus_per_host: float = Field(1.0, ge=0, description="Ray CPUs reserved per trainer actor")
+    gpus_per_host: float = Field(0.0, ge=0, description="Ray GPUs reserved per trainer actor")
+    resources: dict[str, float] = Field({}, description="other Ray resources per actor, e.g. "
+                                        "{TPU: 4} on a TPU VM")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "SPREAD", description="Ray placement group strategy for the trainer actors "
+        "(STRICT_SPREAD: one per node)")
+    init_timeout_s: float = Field(300.0, gt=0, description="how long the group waits for its "
+                                  "actors to be placed and every host to join jax.distributed")
+
+    @property
+    def resolved_platform(self) -> str:
+        if self.platform != "auto":
+            return self.platform
+        return "gpu" if self.gpus_per_host else "tpu" if "TPU" in self.resources else "cpu"
+
+
 class RunConfig(Strict):
     name: str = "run"
     algorithm: Literal["pretrain", "sft", "grpo"] = "pretrain"
@@ -339,7 +365,21 @@ class RunConfig(Strict):
     async_: AsyncSection = Field(AsyncSection(), alias="async")  # `async` is a Python keyword
     eval: EvalSection = EvalSection()
     ray: RayConfig = RayConfig()
+    trainer: TrainerSection = TrainerSection()
     plan: PlanSection = PlanSection()
+
+    @model_validator(mode="after")
+    def _group_reaches_engines(self) -> "RunConfig":
+        if self.trainer.hosts > 1 and self.algorithm == "grpo":
+            r = self.rollout
+            if r.placement == "colocated":
+                raise ValueError("trainer.hosts > 1 needs rollout.placement: disaggregated (a "
+                                 "colocated engine lives in the trainer's process; a trainer "
+                                 "group has no single one)")
+            if r.transport not in ("auto", "object_store"):
+                raise ValueError(f"rollout.transport {r.transport!r}: a trainer group sends "
+                                 "weights through the object store (auto or object_store)")
+        return self
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)
@@ -585,7 +625,20 @@ def _looks_like_path(value: str) -> bool:
         value.count("/") != 1
 
 
+def trainer_devices(cfg: RunConfig, local: int) -> int:
+    """The devices the trainer's mesh covers: this process's (`local`), or a trainer group's
+    hosts x devices_per_host (each host's own count when devices_per_host is unset)."""
+    t = cfg.trainer
+    return local if t.hosts == 1 else t.hosts * (t.devices_per_host or local)
+
+
 def check_recipe(stages: list[RunConfig], num_devices: int) -> None:
+    """`num_devices`: this machine's; a stage with a trainer group checks against its hosts'."""
     for i, cfg in enumerate(stages):
         prefix = f"stages.{i}." if len(stages) > 1 else ""
-        cross_check(cfg, num_devices, produced_by_earlier_stage=i > 0, prefix=prefix)
+        cross_check(cfg, trainer_devices(cfg, num_devices), produced_by_earlier_stage=i > 0,
+                    prefix=prefix)
+        t, dcn = cfg.trainer, math.prod(cfg.mesh.dcn.model_dump().values())
+        if t.hosts % dcn:
+            raise UserError(f"{prefix}mesh.dcn: its product ({dcn}) must divide trainer.hosts "
+                            f"({t.hosts}): dcn axes span hosts")

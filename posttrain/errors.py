@@ -10,3 +10,10 @@ class UserError(Exception):
     """A problem with the user's input; the message names the key, file or row."""
 
     exit_code = 2
+
+
+class ClusterError(UserError):
+    """The cluster failed the run (a trainer host died or never joined): one line naming the
+    host, exit status 1. Running the same command again resumes from the last checkpoint."""
+
+    exit_code = 1

@@ -68,7 +68,7 @@ def run_eval(args) -> int:
     )
     from posttrain.data.tokenizer import load_tokenizer
     from posttrain.models import from_pretrained
-    from posttrain.pipeline import encode_prompt, prompt_rows, reward_columns
+    from posttrain.rollouts import encode_prompt, prompt_rows, reward_columns
     from rewards.pool import RewardPool
     from rollout.cli_generate import find_tokenizer_dir
     from rollout.engine import SamplingParams

@@ -327,7 +327,7 @@ def compile_train_step(cfg, mc, devices) -> dict:
                               params, p_sh)
         steps = cfg.train.steps
         if is_rl(cfg):
-            from posttrain.pipeline import make_loss_fn
+            from posttrain.algorithms.grpo import make_loss_fn
 
             loss_fn, steps = make_loss_fn(cfg), steps * cfg.grpo.mu * cfg.grpo.mini_batches
         else:

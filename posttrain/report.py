@@ -18,7 +18,7 @@ from posttrain.config import RunConfig
 def stage_accuracy(cfg: RunConfig, root: Path) -> dict:
     from posttrain.data.tokenizer import load_tokenizer
     from posttrain.models import from_pretrained
-    from posttrain.pipeline import encode_prompt, greedy_accuracy, prompt_rows
+    from posttrain.rollouts import encode_prompt, greedy_accuracy, prompt_rows
     from rewards.pool import RewardPool
     from rollout.jax_engine import JaxEngine
 

@@ -39,7 +39,6 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -169,7 +168,9 @@ class Exporter:
 
 
 def _host(arr) -> np.ndarray:
-    return arr if isinstance(arr, np.ndarray) else np.asarray(jax.device_get(arr))
+    from converters.export import host_array
+
+    return arr if isinstance(arr, np.ndarray) else host_array(arr)
 
 
 class Digest:
@@ -300,7 +301,8 @@ class ObjectStore(Transport):
     def update(self, meta, payload):
         import ray
 
-        ref = ray.put(payload)
+        # a trainer group's rank 0 has put the bucket already
+        ref = payload if isinstance(payload, ray.ObjectRef) else ray.put(payload)
         if self.keep:
             self._kept.append((meta, ref))
         self._inflight.append(self.target.submit_all("load_bucket", meta, ref))

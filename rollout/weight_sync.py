@@ -68,12 +68,14 @@ def _engine_scores(eng, sequences):
     return [(f"{type(eng).__name__} (in process)", eng.probe_tolerance, eng.score(sequences))]
 
 
-def check_probe(engines, model: nnx.Module, sequences: list[list[int]], version: int) -> float:
-    """Every engine scores the probe; the trainer (`model`) scores it with its own code. Returns
-    the largest gap; raises `WeightSyncError` naming the first engine beyond its tolerance."""
+def check_probe(engines, model, sequences: list[list[int]], version: int) -> float:
+    """Every engine scores the probe; the trainer scores it with its own code (`model`: the
+    policy, or a function sequences -> log-probs such as `Trainer.score`). Returns the largest
+    gap; raises `WeightSyncError` naming the first engine beyond its tolerance."""
     from rollout.jax_engine import score_sequences
 
-    want = score_sequences(model, sequences)
+    want = (score_sequences(model, sequences) if isinstance(model, nnx.Module)
+            else model(sequences))
     worst = 0.0
     for eng in engines:
         for name, tol, got in _engine_scores(eng, sequences):
@@ -87,11 +89,13 @@ def check_probe(engines, model: nnx.Module, sequences: list[list[int]], version:
     return worst
 
 
-def push(engines, state: nnx.State, cfg: ModelConfig, version: int, *, probe=None,
+def push(engines, state, cfg: ModelConfig, version: int, *, probe=None,
          model: nnx.Module | None = None, lora_scale: float | None = None,
          transport: str = "auto", bucket_bytes: int | None = None,
          check_digest: bool = False, timeout_s: float = 600.0) -> dict[str, float]:
-    """Send `state` to every engine (in-process engines or a `WorkerGroup`) over `transport`
+    """Send `state` (an NNX state, or a trainer: `posttrain.train.trainer`, whose exporter
+    and probe scores are used, so that a multi-host trainer exports from its own processes)
+    to every engine (in-process engines or a `WorkerGroup`) over `transport`
     (`rollout.transfer.make_transport`; the transport of an engine is kept between syncs);
     verify the version and, given `probe` sequences and the trainer's `model`, the weights
     (`check_probe`). Engines that take HF tensors get the effective weights (LoRA merged with
@@ -102,11 +106,14 @@ def push(engines, state: nnx.State, cfg: ModelConfig, version: int, *, probe=Non
     from rollout.transfer import DEFAULT_BUCKET_BYTES, Exporter, export_digest, make_transport
     from rollout.worker import WorkerGroup
 
+    trainer = None if isinstance(state, nnx.State) else state
+    if trainer is not None:
+        model = trainer.score
     t0 = time.perf_counter()
     nbytes, buckets = 0.0, 0.0
     for eng in engines:
         if isinstance(eng, JaxEngine) and transport in ("auto", "in_process"):
-            m = eng.update_weights(state, version)
+            m = eng.update_weights(state if trainer is None else trainer.policy_state(), version)
         else:
             tr = getattr(eng, "_posttrain_transport", None)
             if tr is None or tr.requested != transport:
@@ -115,8 +122,9 @@ def push(engines, state: nnx.State, cfg: ModelConfig, version: int, *, probe=Non
                 tr = make_transport(transport, eng, timeout_s=timeout_s)
                 tr.requested = transport
                 eng._posttrain_transport = tr
-            exporter = Exporter(state, cfg, layout=eng.weight_layout, dtype=eng.weight_dtype,
-                                lora_scale=lora_scale, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES)
+            kw = dict(layout=eng.weight_layout, dtype=eng.weight_dtype, lora_scale=lora_scale,
+                      bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES)
+            exporter = (Exporter(state, cfg, **kw) if trainer is None else trainer.exporter(**kw))
             m = tr.send(exporter, version, check_digest)
             buckets += m["sync/buckets"]
             if check_digest:

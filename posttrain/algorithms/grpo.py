@@ -56,6 +56,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from posttrain.train.step import token_logprobs
 
@@ -242,3 +243,65 @@ def mismatch_metrics(logp_old: np.ndarray, logp_rollout: np.ndarray, mask: np.nd
 def informative_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
     """[P] bool: groups whose rewards are not all equal (they carry a learning signal)."""
     return rewards.reshape(-1, group_size).std(1) > 0
+
+
+# ---- the objective over a model (the trainer jits these) -----------------------------------------
+def make_loss_fn(cfg):
+    """The policy loss of the recipe (`cfg`: a RunConfig) as a `loss_fn(model, batch)` for
+    `train.step.make_train_step`."""
+    from posttrain.models.qwen3_moe import add_router_loss
+
+    g = cfg.grpo
+    policy, agg, kl = POLICY_LOSSES[g.loss], AGGREGATIONS[g.aggregation], KL_ESTIMATORS[g.kl_estimator]
+    clip_low, clip_high = g.clip
+
+    def loss_fn(model, batch):
+        """Without `logp_old` in the batch (one update per batch: the policy that the ratio
+        compares against is the current one), pi_old = stop_gradient(pi): the separate
+        log-prob pass is folded into this forward, and the trainer's log-probs come back
+        per row (`rows/logp`) for the mismatch metrics."""
+        logits, router = model(batch["tokens"], batch["positions"], batch["segment_ids"],
+                               with_router_losses=True)
+        logits = logits / g.temperature
+        logp, log_mass = trainer_logprobs(g, logits, batch)
+        logp_old = batch["logp_old"] if "logp_old" in batch else jax.lax.stop_gradient(logp)
+        mask = batch["loss_mask"]
+        per_tok, aux = policy(logp, logp_old, batch["advantages"], mask, clip_low, clip_high,
+                              g.dual_clip)
+        per_tok = per_tok * truncated_is_weights(logp_old, batch["logp_rollout"], mask,
+                                                 g.tis.level, g.tis.cap)
+        if "logp_old" not in batch:
+            aux["rows/logp"] = logp_old
+        n_tok = jnp.maximum(mask.sum(), 1)
+        if log_mass is not None:  # how much of the policy top-k / top-p leaves to sample from
+            aux["sampling/kept_mass"] = (jnp.exp(log_mass) * mask).sum() / n_tok
+        if g.beta > 0:
+            k = kl(logp, batch["logp_ref"])
+            per_tok = per_tok + g.beta * k
+            aux["kl"] = (k * mask).sum() / n_tok
+        s, n = agg(per_tok, mask, float(g.max_tokens))
+        logz = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        entropy = logz - (probs * logits).sum(-1)
+        aux["entropy"] = jax.lax.stop_gradient((entropy * mask).sum() / n_tok)
+        return add_router_loss(model.cfg, s, n, router, aux)
+
+    return loss_fn
+
+
+def trainer_logprobs(g, logits_btv, batch):
+    """Log-probs of the batch's tokens under `grpo.logprob_semantics` (logits temperature-scaled),
+    replaying the kept counts the engine reported; see `posttrain.algorithms.grpo`."""
+    return policy_logprobs(logits_btv, batch["targets"], batch["kept_counts"],
+                           g.logprob_semantics, g.top_k, g.top_p)
+
+
+def make_logprob_fn(graphdef, g):
+    """Jitted (params, frozen, batch) -> per-token log-probs of the policy `params` (the old or
+    the reference policy) under the run's semantics; `g` is the run's `grpo` section."""
+    def f(params, frozen, batch):
+        model = nnx.merge(graphdef, params, frozen)
+        logits = model(batch["tokens"], batch["positions"], batch["segment_ids"]) / g.temperature
+        return trainer_logprobs(g, logits, batch)[0]
+
+    return jax.jit(f)

@@ -1,9 +1,10 @@
 """The language-model training loop shared by `pretrain` and `sft`.
 
-Reads top to bottom: tokenizer -> model config -> mesh -> model (random init or a checkpoint,
-sharded by the rules table, optionally int8 QAT) -> TrainState -> resume -> steps (log, eval,
-checkpoint) -> final checkpoint + HF export. Algorithms differ only in the data format and the
-`loss_fn` they pass.
+Reads top to bottom: tokenizer -> model config -> data -> trainer (`train.trainer`: the model,
+random init or a checkpoint, sharded by the rules table, optionally int8 QAT; its TrainState,
+jitted steps and checkpoints; in this process or a group of hosts) -> resume -> steps (log,
+eval, checkpoint) -> final checkpoint + HF export. Algorithms differ only in the data format
+and the `loss_fn` they pass.
 """
 
 from __future__ import annotations
@@ -25,21 +26,9 @@ from posttrain.data.tokenizer import load_tokenizer, train_bpe
 from posttrain.errors import UserError
 from posttrain.models.config import ModelConfig
 from posttrain.models.transformer import CausalLM
-from posttrain.sharding import batch_sharding, make_mesh, state_shardings, use_mesh
-from posttrain.train.checkpoint import (
-    Checkpointer,
-    find_checkpoint,
-    read_meta,
-    restore_train_state,
-    save_train_state,
-)
-from posttrain.train.optimizer import init_opt_state, lr_schedule, make_optimizer
-from posttrain.train.step import (
-    TrainState,
-    make_eval_step,
-    make_train_step,
-    next_token_loss,
-)
+from posttrain.sharding import state_shardings
+from posttrain.train.checkpoint import find_checkpoint, read_meta
+from posttrain.train.step import next_token_loss
 
 
 # ---- pieces ----------------------------------------------------------------------------------
@@ -134,91 +123,74 @@ def save_hf_export(model: nnx.Module, out: Path, tokenizer) -> None:
 
 # ---- the loop --------------------------------------------------------------------------------
 def train_language_model(cfg: RunConfig, run_dir: Path, loss_fn=next_token_loss) -> dict:
+    from posttrain.tracking import Tracker
+    from posttrain.train.trainer import make_trainer
+
     tokenizer = prepare_tokenizer(cfg, run_dir)
     model_cfg = resolve_model_config(cfg, tokenizer)
-    mesh = make_mesh(cfg.mesh)
     t = cfg.train
-    with use_mesh(mesh, cfg.mesh.rules):
-        model = create_model(cfg, model_cfg, mesh)
-        trainable = nnx.LoRAParam if cfg.model.lora.rank else nnx.Param
-        lora_meta = cfg.model.lora.model_dump() if cfg.model.lora.rank else {}
-        graphdef, params, frozen = nnx.split(model, trainable, ...)
-        optimizer = make_optimizer(cfg.optimizer, t.steps)
-        state = TrainState(params, frozen, init_opt_state(optimizer, params),
-                           jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(cfg.seed)))
-        state_sh = jax.tree.map(lambda x: x.sharding, state)
-        step_fn = jax.jit(make_train_step(graphdef, optimizer, loss_fn, t.grad_accum,
-                                          lr_schedule(cfg.optimizer, t.steps)),
-                          donate_argnums=0, out_shardings=(state_sh, None))
-        eval_fn = jax.jit(make_eval_step(graphdef, loss_fn))
-        bsh = batch_sharding(mesh, cfg.mesh.rules, 2)
-
-        train_rows = load_rows(cfg.data.source, "train", cfg.data)
-        encoder = Encoder(tokenizer, cfg.data, cfg.data.source)
-        data = PackedBatches(train_rows, encoder, t.batch_size, cfg.data.seq_len,
-                             cfg.data.shuffle_seed, cfg.data.pack)
-        eval_batches = _eval_batches(cfg, tokenizer)
-
-        ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_save)
+    train_rows = load_rows(cfg.data.source, "train", cfg.data)
+    encoder = Encoder(tokenizer, cfg.data, cfg.data.source)
+    data = PackedBatches(train_rows, encoder, t.batch_size, cfg.data.seq_len,
+                         cfg.data.shuffle_seed, cfg.data.pack)
+    eval_batches = _eval_batches(cfg, tokenizer)
+    trainer = make_trainer(cfg, run_dir, model_cfg, loss_fn)
+    tracker = None
+    last: dict = {}
+    try:
+        meta = trainer.restore()
         start = 0
-        latest = ckpt.latest_step() if cfg.checkpoint.resume else None
-        if latest is not None:
-            state, meta = restore_train_state(ckpt, latest, graphdef, state, trainable)
+        if meta is not None:
             data.restore(meta["data_state"])
-            start = latest
-
-        from posttrain.tracking import Tracker
-
+            start = meta["step"]
         tracker = Tracker(cfg, run_dir, t.steps, start)
         seen_path = run_dir / "data_order.jsonl"
-        last: dict = {}
-        try:
-            # Metrics of step k are fetched after step k+1 is dispatched, so the host prepares
-            # the next batch while the device computes (no sync per step).
-            pending: tuple | None = None
-            t_prev = time.perf_counter()
+        # Metrics of step k are fetched after step k+1 is dispatched, so the host prepares
+        # the next batch while the device computes (no sync per step).
+        pending: tuple | None = None
+        t_prev = time.perf_counter()
 
-            def flush(p):
-                nonlocal t_prev, last
-                step_no, m_dev, n_tok, extra = p
-                m = jax.device_get(m_dev)
-                now = time.perf_counter()
-                m.update(batch_tokens=n_tok, tokens_per_s=n_tok / max(now - t_prev, 1e-9), **extra)
-                t_prev = now
-                tracker.log(step_no, m)
-                last = m
+        def flush(p):
+            nonlocal t_prev, last
+            step_no, fetch, n_tok, extra = p
+            m = fetch()
+            now = time.perf_counter()
+            m.update(batch_tokens=n_tok, tokens_per_s=n_tok / max(now - t_prev, 1e-9), **extra)
+            t_prev = now
+            tracker.log(step_no, m)
+            last = m
 
-            feed = data.batches()
-            for step in range(start, t.steps):
-                batch, row_ids, data_state = next(feed)
-                with seen_path.open("a") as f:
-                    f.write(json.dumps({"step": step + 1, "rows": row_ids}) + "\n")
-                state, m = step_fn(state, jax.device_put(batch, bsh))
-                if pending is not None:
-                    flush(pending)
-                extra = {}
-                if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
-                    extra["eval_loss"] = _eval_loss(eval_fn, state, eval_batches, bsh)
-                extra["skipped_rows"] = data_state["skipped"]
-                pending = (step + 1, m, float((batch["segment_ids"] > 0).sum()), extra)
-                if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 \
-                        and step + 1 != t.steps:
-                    save_train_state(ckpt, step + 1, graphdef, state, model_cfg, data_state, lora_meta)
+        feed = data.batches()
+        for step in range(start, t.steps):
+            batch, row_ids, data_state = next(feed)
+            with seen_path.open("a") as f:
+                f.write(json.dumps({"step": step + 1, "rows": row_ids}) + "\n")
+            fetch = trainer.train_step(batch)
             if pending is not None:
                 flush(pending)
-            if ckpt.latest_step() != t.steps:
-                save_train_state(ckpt, t.steps, graphdef, state, model_cfg,
-                                 data_state if t.steps > start else data.state(), lora_meta)
-            ckpt.wait()
-        finally:
+            extra = {}
+            if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+                extra["eval_loss"] = trainer.eval_loss(eval_batches)
+            extra["skipped_rows"] = data_state["skipped"]
+            pending = (step + 1, fetch, float((batch["segment_ids"] > 0).sum()), extra)
+            if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 \
+                    and step + 1 != t.steps:
+                trainer.save(step + 1, data_state)
+        if pending is not None:
+            flush(pending)
+        if trainer.latest_step() != t.steps:
+            trainer.save(t.steps, data_state if t.steps > start else data.state())
+        trainer.wait()
+    finally:
+        if tracker is not None:
             tracker.close()
-            ckpt.close()
-        if cfg.model.quantization == "none":
-            # The HF export is the plain model: LoRA merged, an int8 base dequantized.
-            from posttrain.train.checkpoint import load_model_from_checkpoint
+        trainer.close()
+    if cfg.model.quantization == "none":
+        # The HF export is the plain model: LoRA merged, an int8 base dequantized.
+        from posttrain.train.checkpoint import load_model_from_checkpoint
 
-            save_hf_export(load_model_from_checkpoint(run_dir / "checkpoints"), run_dir / "hf",
-                           tokenizer)
+        save_hf_export(load_model_from_checkpoint(run_dir / "checkpoints"), run_dir / "hf",
+                       tokenizer)
     return {k: float(v) for k, v in last.items() if np.ndim(v) == 0}
 
 
@@ -230,11 +202,3 @@ def _eval_batches(cfg: RunConfig, tokenizer) -> list[dict]:
     it = PackedBatches(rows, Encoder(tokenizer, cfg.data, src), cfg.train.batch_size,
                        cfg.data.seq_len, seed=0, pack=cfg.data.pack, shuffle=False)
     return [it.next_batch()[0] for _ in range(cfg.train.eval_batches)]
-
-
-def _eval_loss(eval_fn, state: TrainState, batches: list[dict], bsh) -> float:
-    tot, cnt = 0.0, 0.0
-    for b in batches:
-        s, n = eval_fn(state.params, state.frozen, jax.device_put(b, bsh))
-        tot, cnt = tot + float(s), cnt + float(n)
-    return tot / max(cnt, 1.0)

@@ -13,7 +13,8 @@ from converters.hf import nnx_to_hf
 from posttrain.algorithms.grpo import grpo_advantages
 from posttrain.config import RunConfig
 from posttrain.models import from_pretrained
-from posttrain.pipeline import build_batch, make_logprob_fn, make_loss_fn
+from posttrain.rollouts import build_batch
+from posttrain.algorithms.grpo import make_logprob_fn, make_loss_fn
 from posttrain.train.step import TrainState, make_train_step
 from rollout.engine import Rollout
 from tests.helpers import save_tiny_hf_model

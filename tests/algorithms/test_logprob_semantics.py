@@ -14,7 +14,8 @@ from converters.hf import nnx_to_hf
 from posttrain.algorithms.grpo import grpo_advantages, kept_set_logprobs, policy_logprobs
 from posttrain.config import RunConfig
 from posttrain.models import from_pretrained
-from posttrain.pipeline import build_batch, make_logprob_fn, make_loss_fn
+from posttrain.rollouts import build_batch
+from posttrain.algorithms.grpo import make_logprob_fn, make_loss_fn
 from rollout.engine import SamplingParams
 from rollout.jax_engine import JaxEngine
 from tests.helpers import save_tiny_model_with_tokenizer

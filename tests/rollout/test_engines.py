@@ -40,7 +40,7 @@ def trainer_side(model, rollouts, sp: SamplingParams) -> tuple[np.ndarray, np.nd
     batch it builds, the semantics it applies, the kept counts it replays), the engine's, and
     the completion mask."""
     from posttrain.algorithms.grpo import policy_logprobs
-    from posttrain.pipeline import build_batch
+    from posttrain.rollouts import build_batch
 
     b = build_batch(rollouts, np.zeros(len(rollouts)), 256)
     logits = model(jnp.asarray(b["tokens"]), jnp.asarray(b["positions"]),

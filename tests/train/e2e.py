@@ -21,17 +21,22 @@ def cmd(recipe: str, run_dir: Path, overrides: list[str]) -> list[str]:
     return [sys.executable, "-m", "posttrain.cli", "run", recipe, f"run_dir={run_dir}", *overrides]
 
 
-def env() -> dict:
+def env(devices: int | None = None, **extra: str) -> dict:
+    """One device, as on a user's laptop, unless `devices` (CPU devices of the process)."""
     e = dict(os.environ)
-    e.pop("XLA_FLAGS", None)  # one device, as on a user's laptop
+    e.pop("XLA_FLAGS", None)
+    if devices:
+        e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     e["WANDB_MODE"] = "offline"
-    return e
+    return {**e, **extra}
 
 
-def run(recipe: str, run_dir: Path, overrides: list[str]) -> subprocess.CompletedProcess:
-    r = subprocess.run(cmd(recipe, run_dir, overrides), cwd=ROOT, env=env(), capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-4000:]
+def run(recipe: str, run_dir: Path, overrides: list[str], devices: int | None = None,
+        check: bool = True, **extra_env: str) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd(recipe, run_dir, overrides), cwd=ROOT, env=env(devices, **extra_env),
+                       capture_output=True, text=True, timeout=900)
+    if check:
+        assert r.returncode == 0, r.stderr[-4000:]
     return r
 
 

@@ -1,0 +1,218 @@
+"""The driver's side of an RL step: prompts, rollouts from the engines, rewards, the training
+batch and held-out evaluation. Everything here runs where the loop runs (`posttrain.pipeline`);
+nothing touches the trainer's state.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from posttrain.algorithms import grpo as G
+from posttrain.config import RunConfig
+from posttrain.data import generated
+from posttrain.data.dataset import load_rows
+from posttrain.errors import UserError
+
+
+# ---- prompts -----------------------------------------------------------------------------------
+class PromptIterator:
+    """Seeded order over prompt rows; `state()`/`restore()` for exact resume."""
+
+    def __init__(self, rows, seed: int):
+        self.rows, self.seed, self.epoch, self.index = rows, seed, 0, 0
+        if len(rows) == 0:
+            raise UserError("data.source: no prompts")
+        self._order_epoch, self._order = -1, None
+
+    def _order_for(self, epoch: int) -> np.ndarray:
+        if epoch != self._order_epoch:  # one permutation per epoch, not per step
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+            self._order_epoch = epoch
+        return self._order
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def restore(self, st: dict) -> None:
+        self.epoch, self.index = st["epoch"], st["index"]
+
+    def take(self, k: int) -> list[dict]:
+        out = []
+        while len(out) < k:
+            order = self._order_for(self.epoch)
+            while self.index < len(order) and len(out) < k:
+                out.append(dict(self.rows[int(order[self.index])]))
+                self.index += 1
+            if self.index >= len(order):
+                self.epoch, self.index = self.epoch + 1, 0
+        return out
+
+
+def prompt_rows(cfg: RunConfig, split: str, n: int | None = None) -> list[dict]:
+    if cfg.data.source == "generated":
+        g = cfg.data.generated
+        count = n or (g.num_train if split == "train" else g.num_eval)
+        return generated.prompt_completion_rows(split, count, g.max_operand, g.seed, g.eval_fraction)
+    rows = load_rows(cfg.data.eval_source or cfg.data.source if split == "eval" else cfg.data.source,
+                     split, cfg.data)
+    return [dict(rows[i]) for i in range(min(len(rows), n or len(rows)))]
+
+
+def encode_prompt(row: dict, tokenizer, chat: bool, idx: int) -> list[int]:
+    prompt = row.get("prompt")
+    if prompt is None and "messages" in row:
+        prompt = [m for m in row["messages"] if m["role"] != "assistant"]
+    if not prompt:
+        raise UserError(f"data row {idx}: needs a 'prompt' (text or messages)")
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}] if chat else prompt
+    if isinstance(prompt, list):
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    else:
+        text = prompt
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def reward_columns(rows: list[dict], group: int, rollouts) -> dict:
+    cols = {k: [r[k] for r in rows for _ in range(group)] for k in rows[0] if k != "prompt"}
+    cols["completion_ids"] = [r.token_ids for r in rollouts]
+    return cols
+
+
+# ---- the training batch ---------------------------------------------------------------------------
+def batch_length(rollouts, seq_len: int, bucket: int = 32) -> int:
+    """Rows are padded to the longest prompt + completion rounded up to `bucket` (at most
+    `seq_len`), not to `seq_len`: a batch of short completions trains on short rows, and at most
+    seq_len / bucket shapes ever compile."""
+    longest = max(len(r.prompt_token_ids) + len(r.token_ids) for r in rollouts)
+    return min(seq_len, -(-longest // bucket) * bucket)
+
+
+def build_batch(rollouts, advantages: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+    """Rows = prompt + completion, right-padded to `batch_length`; masks/logprobs sit on the
+    positions that *predict* each completion token (position t predicts token t+1)."""
+    b = len(rollouts)
+    seq_len = batch_length(rollouts, seq_len)
+    tokens = np.zeros((b, seq_len), np.int32)
+    seg = np.zeros((b, seq_len), np.int32)
+    mask = np.zeros((b, seq_len), np.float32)
+    lp_roll = np.zeros((b, seq_len), np.float32)
+    kept = np.zeros((b, seq_len), np.int32)  # 0: the whole vocabulary
+    for i, r in enumerate(rollouts):
+        ids = (r.prompt_token_ids + r.token_ids)[:seq_len]
+        n, p = len(ids), len(r.prompt_token_ids)
+        tokens[i, :n] = ids
+        seg[i, :n] = 1
+        k = max(0, n - p)
+        mask[i, p - 1:p - 1 + k] = 1.0
+        lp_roll[i, p - 1:p - 1 + k] = r.logprobs[:k]
+        kept[i, p - 1:p - 1 + min(k, len(r.kept_counts))] = r.kept_counts[:k]
+    targets = np.zeros_like(tokens)
+    targets[:, :-1] = tokens[:, 1:]
+    pos = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (b, seq_len)).copy()
+    return {"tokens": tokens, "targets": targets, "positions": pos, "segment_ids": seg,
+            "loss_mask": mask, "logp_rollout": lp_roll, "kept_counts": kept,
+            "advantages": advantages.astype(np.float32)}
+
+
+# ---- engines -------------------------------------------------------------------------------------
+def build_engines(cfg: RunConfig, trainer, tokenizer, run_dir: Path):
+    """The recipe's rollout engine: the colocated one on the trainer's own model, else an engine
+    (in this process, or `rollout.num_workers` Ray workers) started from an HF export of the
+    trainer's current policy."""
+    r = cfg.rollout
+    hf_dir = run_dir / "rollout_hf"
+    if r.placement == "colocated" and r.engine == "jax":
+        from rollout.jax_engine import JaxEngine
+
+        return JaxEngine(trainer.policy(), tokenizer, seed=cfg.seed, copy_weights=True)
+    trainer.save_hf(hf_dir, lora_scale=cfg.model.lora.scale)
+    tokenizer.save_pretrained(hf_dir)
+    if r.placement == "colocated":
+        from rollout.vllm_engine import VllmEngine
+
+        return VllmEngine(str(hf_dir), dtype=r.dtype, gpu_memory_utilization=r.gpu_memory_utilization,
+                          tensor_parallel_size=r.tensor_parallel_size, seed=cfg.seed,
+                          enforce_eager=r.enforce_eager,
+                          enable_expert_parallel=r.enable_expert_parallel)
+    from posttrain.cluster import init_ray
+    from rollout.worker import WorkerGroup
+
+    init_ray(cfg)
+    spec = {"kind": r.engine, "model_dir": str(hf_dir), "tokenizer_dir": str(hf_dir), "seed": cfg.seed,
+            "scan_layers": trainer.model_cfg.scan_layers,
+            "vllm": {"dtype": r.dtype, "gpu_memory_utilization": r.gpu_memory_utilization,
+                     "tensor_parallel_size": r.tensor_parallel_size, "seed": cfg.seed,
+                     "enforce_eager": r.enforce_eager,
+                     "enable_expert_parallel": r.enable_expert_parallel}}
+    return WorkerGroup(spec, r.num_workers)
+
+
+# ---- sampling a batch --------------------------------------------------------------------------
+def sample_groups(cfg: RunConfig, engine, pool, prompts: PromptIterator, tokenizer, sp, times: dict):
+    """Generate and score `prompts_per_step` groups. With DAPO dynamic sampling, groups whose
+    rewards are all equal (no signal) are dropped and more prompts are sampled, up to
+    `max_attempts`; a batch still short is filled with zero-advantage copies so shapes stay
+    fixed. Groups dropped by the reward pool (`fallback: drop_group`) are handled the same way."""
+    from rollout.engine import SamplingParams
+
+    g = cfg.grpo
+    kept_rollouts, kept_rewards, last_scores = [], [], None
+    for attempt in range(1, (g.dynamic_sampling.max_attempts if g.dynamic_sampling.enabled else 1) + 1):
+        need = g.prompts_per_step - len(kept_rollouts) // g.group_size
+        rows = prompts.take(need)
+        ids = [encode_prompt(r, tokenizer, g.chat_template, i) for i, r in enumerate(rows)]
+        t0 = time.perf_counter()
+        outs = engine.generate(ids, SamplingParams(**{**sp.__dict__, "seed": sp.seed + attempt}))
+        times["time/rollout"] = times.get("time/rollout", 0.0) + time.perf_counter() - t0
+        t0 = time.perf_counter()
+        last_scores = pool.score([r["prompt"] for r in rows for _ in range(g.group_size)],
+                                 [o.text for o in outs], reward_columns(rows, g.group_size, outs),
+                                 g.group_size)
+        times["time/reward"] = times.get("time/reward", 0.0) + time.perf_counter() - t0
+        totals = np.nan_to_num(last_scores.totals).reshape(-1, g.group_size)
+        keep = last_scores.keep.reshape(-1, g.group_size).all(1)
+        if g.dynamic_sampling.enabled:
+            keep &= G.informative_groups(totals.reshape(-1), g.group_size)
+        for gi in np.flatnonzero(keep):
+            kept_rollouts += outs[gi * g.group_size:(gi + 1) * g.group_size]
+            kept_rewards.append(totals[gi])
+        if len(kept_rollouts) >= g.prompts_per_step * g.group_size:
+            break
+    n_real = len(kept_rollouts)
+    rewards = np.concatenate(kept_rewards) if kept_rewards else np.zeros(0)
+    missing = g.prompts_per_step * g.group_size - n_real
+    if missing > 0:  # fill with copies that carry zero advantage
+        filler = (kept_rollouts or outs)[: g.group_size]
+        kept_rollouts += filler * (missing // g.group_size)
+        rewards = np.concatenate([rewards, np.zeros(missing)])
+    adv_mask = (np.arange(len(kept_rollouts)) < n_real).astype(np.float64)
+    return kept_rollouts, rewards, adv_mask, last_scores, attempt
+
+
+# ---- evaluation ----------------------------------------------------------------------------------
+def greedy_accuracy(cfg: RunConfig, engine, pool, rows: list[dict], prompt_ids: list[list[int]],
+                    *, stop: tuple[str, ...] = (), prefix: str = "") -> tuple[dict, list[str]]:
+    """Greedy completions of held-out rows, scored by the reward pool; 'correct' means the reward
+    named by `eval.reward` (default: the first) reaches 1. `prefix` is prepended to each
+    completion before scoring (a plain-text probe whose prompt ends mid-sentence)."""
+    from rollout.engine import SamplingParams
+
+    outs = engine.generate(prompt_ids, SamplingParams(
+        temperature=0.0, max_tokens=cfg.eval.max_tokens or cfg.grpo.max_tokens, stop=stop))
+    texts = [prefix + o.text for o in outs]
+    scores = pool.score([r["prompt"] for r in rows], texts, reward_columns(rows, 1, outs), 1)
+    label = cfg.eval.reward or cfg.rewards.functions[0].label
+    correct = np.nan_to_num(scores.per_function[label]) >= 1.0
+    metrics = {"eval/accuracy": float(correct.mean()),
+               "eval/reward_mean": float(np.nanmean(scores.totals)),
+               "eval/completion_len": float(np.mean([len(o.token_ids) for o in outs]))}
+    return metrics, texts
+
+
+def evaluate(cfg: RunConfig, engine, tokenizer, pool, rows: list[dict]) -> dict:
+    ids = [encode_prompt(r, tokenizer, cfg.grpo.chat_template, i) for i, r in enumerate(rows)]
+    return greedy_accuracy(cfg, engine, pool, rows, ids, stop=tuple(cfg.grpo.stop))[0]

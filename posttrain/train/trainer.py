@@ -1,0 +1,213 @@
+"""The trainer behind one interface: the policy's state, its jitted steps and its checkpoints.
+
+The loops (`train.loop` for pretrain/SFT, `pipeline` for RL) hold data, rollouts and metrics and
+talk to a trainer only through these methods, with global host batches in and host values out:
+
+    restore() -> meta | None           resume from the latest checkpoint (data position inside)
+    train_step(batch) -> pending       one optimizer step; `pending()` -> metrics (host)
+    eval_loss(batches) -> float
+    update(batch) -> (metrics, logp_old)   a GRPO batch: logp_old/ref, mu x mini-batch steps
+    save(step, data_state, **meta); wait(); close()
+    exporter(...) / score(sequences) / save_hf(dir)   the policy as engines load it (weight sync)
+
+Two implementations: `Trainer` (this module) runs in the calling process over its devices, the
+default; `posttrain.train.group.TrainerGroup` runs one `Trainer` per host in Ray actors that
+form one JAX program over a global mesh (`trainer.hosts > 1`). Inside a group every method runs
+on every host (the same program), each host putting only its own rows of the batch on its
+devices (`jax.make_array_from_process_local_data`); values come back from the devices through
+`host_value` (a gather where an array spans hosts).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from posttrain.config import RunConfig
+from posttrain.models.config import ModelConfig
+from posttrain.sharding import batch_sharding, make_mesh, use_mesh
+from posttrain.train.checkpoint import Checkpointer, restore_train_state, save_train_state
+from posttrain.train.optimizer import init_opt_state, lr_schedule, make_optimizer
+from posttrain.train.step import TrainState, make_eval_step, make_train_step, next_token_loss
+
+
+def host_value(tree):
+    """Device values -> numpy. An array spread over several processes is gathered (every
+    process calls this on the same values: a collective)."""
+    from converters.export import host_array
+
+    return jax.tree.map(lambda x: host_array(x) if isinstance(x, jax.Array) else x, tree)
+
+
+def batch_rows(mesh, rules, rows: int) -> tuple[int, int]:
+    """The rows [lo, hi) of a global batch of `rows` that this process's devices hold."""
+    sh = batch_sharding(mesh, rules, 1)
+    spans = {(s[0].start or 0, s[0].stop if s[0].stop is not None else rows)
+             for s in sh.addressable_devices_indices_map((rows,)).values()}
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    if sum(b - a for a, b in spans) != hi - lo:
+        raise ValueError(f"this process's batch rows are not contiguous: {sorted(spans)}")
+    return lo, hi
+
+
+class Trainer:
+    """The policy trainer over this process's view of the mesh (see the module docstring).
+    `algorithm`: the recipe's; GRPO adds the policy loss, the reference policy (beta > 0) and
+    `update`."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, model_cfg: ModelConfig, loss_fn=None):
+        from posttrain.train.loop import create_model
+
+        self.cfg, self.run_dir, self.model_cfg = cfg, Path(run_dir), model_cfg
+        t, g = cfg.train, cfg.grpo
+        rl = cfg.algorithm == "grpo"
+        self.mesh = make_mesh(cfg.mesh)
+        self.rules = cfg.mesh.rules
+        self._mesh_ctx = use_mesh(self.mesh, self.rules)
+        self._mesh_ctx.__enter__()
+        model = create_model(cfg, model_cfg, self.mesh)
+        self.trainable = nnx.LoRAParam if cfg.model.lora.rank else nnx.Param
+        self.lora_meta = cfg.model.lora.model_dump() if cfg.model.lora.rank else {}
+        self.graphdef, params, frozen = nnx.split(model, self.trainable, ...)
+        updates = t.steps * (g.mu * g.mini_batches if rl else 1)
+        optimizer = make_optimizer(cfg.optimizer, updates)
+        self.state = TrainState(params, frozen, init_opt_state(optimizer, params),
+                                jnp.zeros((), jnp.int32),
+                                jax.random.key_data(jax.random.key(cfg.seed)))
+        if rl:
+            from posttrain.algorithms.grpo import make_logprob_fn, make_loss_fn
+
+            loss_fn = make_loss_fn(cfg)
+            self.logprob_fn = make_logprob_fn(self.graphdef, g)
+            # beta 0: no reference policy is kept
+            self.ref_params = jax.tree.map(jnp.copy, params) if g.beta > 0 else None
+            # One update per batch: pi_old is the policy being updated, computed in the
+            # update's own forward (a whole forward pass less per step).
+            self.fused_logprob = g.mu == 1 and g.mini_batches == 1
+        state_sh = jax.tree.map(lambda x: x.sharding, self.state)
+        self.step_fn = jax.jit(make_train_step(self.graphdef, optimizer, loss_fn or next_token_loss,
+                                               t.grad_accum, lr_schedule(cfg.optimizer, t.steps)),
+                               donate_argnums=0, out_shardings=(state_sh, None))
+        self.eval_fn = jax.jit(make_eval_step(self.graphdef, loss_fn or next_token_loss))
+        self.ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep,
+                                 cfg.checkpoint.async_save)
+
+    # ---- data in -------------------------------------------------------------------------------
+    def put(self, batch: dict, rows: int | None = None) -> dict:
+        """A batch on the mesh, its leading axis split by the rules. `batch` holds this
+        process's rows of a global batch of `rows` (default: all of them)."""
+        out = {}
+        for k, v in batch.items():
+            v = np.asarray(v)
+            shape = ((rows if rows is not None else v.shape[0]),) + v.shape[1:]
+            out[k] = jax.make_array_from_process_local_data(
+                batch_sharding(self.mesh, self.rules, v.ndim), v, shape)
+        return out
+
+    def local_rows(self, rows: int) -> tuple[int, int]:
+        return batch_rows(self.mesh, self.rules, rows)
+
+    # ---- steps ---------------------------------------------------------------------------------
+    def train_step(self, batch: dict, rows: int | None = None):
+        """Dispatch one step; returns `pending`, whose call gives the step's metrics on the host
+        (the device keeps computing while the caller prepares the next batch)."""
+        self.state, m = self.step_fn(self.state, self.put(batch, rows))
+        return lambda: host_value(m)
+
+    def eval_loss(self, batches: list[dict], rows: int | None = None) -> float:
+        tot, cnt = 0.0, 0.0
+        for b in batches:
+            s, n = host_value(self.eval_fn(self.state.params, self.state.frozen, self.put(b, rows)))
+            tot, cnt = tot + float(s), cnt + float(n)
+        return tot / max(cnt, 1.0)
+
+    def update(self, batch: dict, rows: int | None = None) -> tuple[dict, np.ndarray]:
+        """One GRPO batch: log-probs of the old (and reference) policy unless fused, then
+        `mu` passes of `mini_batches` steps. Returns mean metrics (with the time split) and the
+        trainer's logp_old per token [B, L] for the mismatch metrics."""
+        g = self.cfg.grpo
+        t0 = time.perf_counter()
+        dev = self.put(batch, rows)
+        if not self.fused_logprob:
+            dev["logp_old"] = self.logprob_fn(self.state.params, self.state.frozen, dev)
+        if self.ref_params is not None:
+            dev["logp_ref"] = self.logprob_fn(self.ref_params, self.state.frozen, dev)
+        jax.block_until_ready(dev)
+        t_logprob = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        n_rows = dev["tokens"].shape[0]
+        mb = n_rows // g.mini_batches
+        ms = []
+        for _ in range(g.mu):
+            for k in range(g.mini_batches):
+                sub = jax.tree.map(lambda x: x[k * mb:(k + 1) * mb], dev)
+                self.state, m = self.step_fn(self.state, sub)
+                ms.append(m)
+        ms = host_value(ms)
+        logp_old = ms[0].pop("rows/logp") if self.fused_logprob else host_value(dev["logp_old"])
+        m = jax.tree.map(lambda *xs: float(np.mean(xs)), *ms)
+        m.update({"time/logprob": t_logprob, "time/update": time.perf_counter() - t0})
+        return m, logp_old
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def restore(self) -> dict | None:
+        """Resume from the latest checkpoint when the recipe asks to: its meta (with the data
+        position and `step`), or None when there is none."""
+        latest = self.ckpt.latest_step() if self.cfg.checkpoint.resume else None
+        if latest is None:
+            return None
+        self.state, meta = restore_train_state(self.ckpt, latest, self.graphdef, self.state,
+                                               self.trainable)
+        return {**meta, "step": latest}
+
+    def latest_step(self) -> int | None:
+        return self.ckpt.latest_step()
+
+    def save(self, step: int, data_state: dict, **meta) -> None:
+        save_train_state(self.ckpt, step, self.graphdef, self.state, self.model_cfg, data_state,
+                         self.lora_meta, **meta)
+
+    def wait(self) -> None:
+        self.ckpt.wait()
+
+    def close(self) -> None:
+        self.ckpt.close()
+        self._mesh_ctx.__exit__(None, None, None)
+
+    # ---- the policy, as engines take it ----------------------------------------------------------
+    def policy(self) -> nnx.Module:
+        return nnx.merge(self.graphdef, self.state.params, self.state.frozen)
+
+    def policy_state(self) -> nnx.State:
+        return nnx.state(self.policy())
+
+    def exporter(self, **kw):
+        """A `rollout.transfer.Exporter` of the current policy (keyword arguments as its)."""
+        from rollout.transfer import Exporter
+
+        return Exporter(self.policy_state(), self.model_cfg, **kw)
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The probe's log-probs under the current policy (see `rollout.weight_sync`)."""
+        from rollout.jax_engine import score_sequences
+
+        return score_sequences(self.policy(), sequences)
+
+    def save_hf(self, out: Path, lora_scale: float | None = None, write: bool = True) -> None:
+        from converters.export import save_hf
+
+        save_hf(self.policy(), Path(out), lora_scale=lora_scale, write=write)
+
+
+def make_trainer(cfg: RunConfig, run_dir: Path, model_cfg: ModelConfig, loss_fn=None):
+    """`Trainer` in this process, or a `TrainerGroup` of `trainer.hosts` Ray actors."""
+    if cfg.trainer.hosts > 1:
+        from posttrain.train.group import TrainerGroup
+
+        return TrainerGroup(cfg, run_dir, model_cfg, loss_fn)
+    return Trainer(cfg, run_dir, model_cfg, loss_fn)
