@@ -489,8 +489,10 @@ def _devices_from_recipe(args) -> int | None:
 
     stages = load_recipe(args.recipe, args.overrides)
     ici, dcn = stages[-1].mesh.ici.model_dump(), stages[-1].mesh.dcn.model_dump()
+    t = stages[-1].trainer
     if any(v == -1 for v in ici.values()):
-        return None
+        # a trainer group's mesh covers its hosts' devices
+        return t.hosts * t.devices_per_host if t.hosts > 1 and t.devices_per_host else None
     return math.prod(ici.values()) * math.prod(dcn.values())
 
 

@@ -87,7 +87,9 @@ def score_sequences(model_or_split, sequences: Sequence[Sequence[int]]) -> list[
     lens = np.ones((tokens.shape[0],), np.int32)
     for i, s in enumerate(sequences):
         tokens[i, :len(s)], lens[i] = s, len(s)
-    lp = np.asarray(jax.device_get(_score(graphdef, state, jnp.asarray(tokens), jnp.asarray(lens))))
+    from converters.export import host_array
+
+    lp = host_array(_score(graphdef, state, jnp.asarray(tokens), jnp.asarray(lens)))
     return [lp[i, :len(s) - 1].tolist() for i, s in enumerate(sequences)]
 
 

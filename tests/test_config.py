@@ -124,3 +124,24 @@ def test_weight_transport_must_reach_the_engines(placement, transport, ok):
     else:
         with pytest.raises(ValidationError, match=f"transport '{transport}' cannot reach"):
             RolloutSection(placement=placement, transport=transport)
+
+
+@pytest.mark.parametrize("overrides,error", [
+    (["rollout.placement=colocated"], "trainer.hosts > 1 needs rollout.placement: disaggregated"),
+    (["rollout.placement=disaggregated", "rollout.transport=collective"],
+     "a trainer group sends weights through the object store"),
+    (["rollout.placement=disaggregated", "mesh.dcn.fsdp=4"], "mesh.dcn: its product"),
+    (["rollout.placement=disaggregated"], None)])
+def test_a_trainer_group_is_checked_against_placement_transport_and_mesh(tmp_path, overrides, error):
+    from posttrain.config import check_recipe
+
+    recipe = write(tmp_path, "algorithm: grpo\nmodel: {path: /tmp}\n"
+                   "rewards: {functions: [{fn: math}]}\n")
+    over = ["trainer.hosts=2", "trainer.devices_per_host=2", *overrides]
+    if error is None:
+        (cfg,) = load_recipe(recipe, over)
+        check_recipe([cfg], 1)  # the mesh covers the group's 2 x 2 devices, not this process's 1
+        assert cfg.trainer.resolved_platform == "cpu"
+        return
+    with pytest.raises(UserError, match=error):
+        check_recipe(load_recipe(recipe, over), 1)

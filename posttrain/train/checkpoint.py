@@ -129,7 +129,7 @@ def restore_params_flat(ckpt_dir: Path, step: int) -> dict[str, np.ndarray]:
     """Every saved variable as a host array, whatever mesh or host count saved it."""
     path = ckpt_dir / str(step) / "params"
     ckptr = ocp.StandardCheckpointer()
-    tree = ckptr.metadata(path).item_metadata
+    tree = ocp.StandardCheckpointHandler().metadata(path)
     on_host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
     target = {k: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=on_host) for k, m in tree.items()}
     return {k: np.asarray(v) for k, v in ckptr.restore(path, target).items()}

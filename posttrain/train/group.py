@@ -282,7 +282,8 @@ class TrainerGroup:
                      "exporting the HF checkpoint")
 
     def exporter(self, **kw) -> GroupExporter:
-        plan, nbytes, layout = self._call("export_plan", kw, what="planning the weight export")
+        plan, nbytes, layout = self._gather([h.export_plan.remote(kw) for h in self.hosts],
+                                            "planning the weight export")[0]
         return GroupExporter(self, kw, plan, nbytes, layout)
 
     def policy(self):
