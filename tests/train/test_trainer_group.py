@@ -6,11 +6,13 @@ Tolerance against the one-process run. The programs are the same and every host 
 devices' shards exactly as the single process does; what differs is how the cross-device sums
 (the loss's token sum, the gradients' all-reduce) are added up: XLA's in-process all-reduce and
 gloo's ring add the same four partial sums in different orders, so a step's sum can differ in
-its last bit (measured: 2 of 6 losses differ, by 1-2 ulp; parameters by 1.6e-7 after 6 steps).
-Adam turns a 1-ulp difference in a gradient into a difference of order lr * 1 ulp per
-parameter, and training does not amplify it at this scale: losses agree to 1e-5 relative and
-parameters to 1e-4 absolute after 24 steps (lr 3e-3). Between two runs of the same host count
-everything is bitwise (same collective, same order).
+its last bit (measured: 2 of the first 6 losses differ, by 1-2 ulp). Training carries such
+differences forward and slowly grows them: after 24 pretraining steps at lr 3e-3 the losses
+differ by up to 6.8e-6 relative and the parameters by 2.2e-6 (SFT: 1.6e-7 and 1.2e-7). The
+bounds, 3e-5 relative on every step's loss and 1e-4 absolute on every parameter, leave a 4x
+margin over the worst measured run and are still far below any real bug (a wrong shard, a
+batch row on the wrong host, a skipped all-reduce: those move the loss in its 2nd-3rd digit
+from the first step). Between two runs of the same host count everything is bitwise.
 """
 
 import json
@@ -33,7 +35,7 @@ PRETRAIN = ("recipes/pretrain_tiny.yaml",
 SFT = ("recipes/sft_tiny.yaml",
        ["train.steps=24", "checkpoint.every=12", "train.eval_every=12", "data.seq_len=96",
         "data.generated.num_train=3000", "train.log_every=4", "tracking.wandb.enabled=false"])
-LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-4
+LOSS_RTOL, PARAM_ATOL = 3e-5, 1e-4
 
 
 def assert_close_runs(a, b, loss_key="loss"):
@@ -55,6 +57,9 @@ def resume_copy(src, dst, keep_step: int):
     for d in (dst / "checkpoints").iterdir():
         if d.name.isdigit() and int(d.name) > keep_step:
             shutil.rmtree(d)
+    m = dst / "metrics.jsonl"
+    m.write_text("".join(x + "\n" for x in m.read_text().splitlines()
+                         if json.loads(x)["step"] <= keep_step))
     return dst
 
 
@@ -101,7 +106,7 @@ def test_checkpoints_cross_host_counts(pretrain_runs, tmp_path):
     run(recipe, to_group, short + GROUP)
     for d in (to_one, to_group):
         assert data_order(d) == data_order(one)
-        assert [x["step"] for x in metrics(d)][-3:] == [16, 20, 24]
+        assert [x["step"] for x in metrics(d)] == list(range(1, 25))  # 13-24 run again
     assert_close_runs(one, to_one)
     assert_close_runs(group, to_group)
 
