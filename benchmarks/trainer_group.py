@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     from posttrain.models.config import ModelConfig
     from posttrain.sharding import batch_sharding
@@ -90,13 +91,14 @@ def main() -> None:
             one.state, m = one.step_fn(one.state, dev)
             return lambda: jax.device_get(m)
 
-        out["bare_step_s"] = time_steps(bare, data)
-        out["one_process_s"] = time_steps(one.train_step, data)
+        for _ in range(args.rounds):  # alternating: the machine's noise falls on both
+            for k, f in (("bare_step_s", bare), ("one_process_s", one.train_step)):
+                out[k] = min(out.get(k, float("inf")), time_steps(f, data))
         one.close()
         group = TrainerGroup(config(tmp / "group", 1000, args.batch, args.seq, 2), tmp / "group",
                              model_cfg)
         try:
-            out["group_s"] = time_steps(group.train_step, data)
+            out["group_s"] = min(time_steps(group.train_step, data) for _ in range(args.rounds))
             rtts = []
             for _ in range(20):
                 t0 = time.perf_counter()
@@ -111,7 +113,7 @@ def main() -> None:
     out["trainer_vs_bare"] = out["bare_step_s"] / out["one_process_s"]
     flops = train_flops_per_token(model_cfg, args.seq) * tokens
     for k in ("bare_step_s", "one_process_s", "group_s"):
-        out[k.replace("_s", "_mfu")] = flops / out[k] / 1e9 / peak
+        out[k[:-2] + "_mfu"] = flops / out[k] / 1e9 / peak
     print(f"matmul peak {peak:.0f} GFLOP/s; 4 CPU devices; batch {args.batch} x {args.seq}")
     print(f"  bare jitted step      {out['bare_step_s'] * 1e3:8.1f} ms/step "
           f"({1 / out['bare_step_s']:.2f} steps/s)")
