@@ -34,7 +34,9 @@ def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
         from jax.experimental import mesh_utils
 
         ici = [shape[ax] // n for ax, n in zip(MESH_AXES, dcn)]
-        arr = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+        # TPU: a dcn granule is a slice; GPU/CPU hosts: a process
+        arr = mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, devices, process_is_granule=devices[0].platform != "tpu")
     else:
         arr = np.asarray(devices).reshape([shape[ax] for ax in MESH_AXES])
     return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
