@@ -33,7 +33,7 @@ PRETRAIN = ("recipes/pretrain_tiny.yaml",
             ["train.steps=24", "checkpoint.every=12", "train.eval_every=12", "data.seq_len=64",
              "data.generated.num_train=3000", "train.log_every=4", "tracking.wandb.enabled=false"])
 SFT = ("recipes/sft_tiny.yaml",
-       ["train.steps=24", "checkpoint.every=12", "train.eval_every=12", "data.seq_len=96",
+       ["train.steps=12", "checkpoint.every=0", "train.eval_every=0", "data.seq_len=96",
         "data.generated.num_train=3000", "train.log_every=4", "tracking.wandb.enabled=false"])
 LOSS_RTOL, PARAM_ATOL = 3e-5, 1e-4
 
@@ -139,9 +139,9 @@ def test_a_killed_rank_is_named_and_the_rerun_resumes_bitwise(pretrain_runs, tmp
 def test_a_host_that_never_joins_is_a_clear_error(tmp_path):
     recipe, short = PRETRAIN
     t0 = time.time()
-    r = run(recipe, tmp_path / "run", short + GROUP + ["trainer.init_timeout_s=10"], check=False,
+    r = run(recipe, tmp_path / "run", short + GROUP + ["trainer.init_timeout_s=5"], check=False,
             POSTTRAIN_TEST_SKIP_JOIN_RANK="1")
     assert r.returncode == 1, r.stderr[-3000:]
     assert "trainer rank 1" in r.stderr and "never joined" in r.stderr, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
-    assert time.time() - t0 < 150
+    assert time.time() - t0 < 120
