@@ -139,6 +139,14 @@ def batch_sharding(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules, mesh))
 
 
-def shard_batch(batch: dict, mesh: Mesh, rules: Rules) -> dict:
-    """Put every array of a batch on the mesh, its leading (batch) axis split by the rules."""
-    return {k: jax.device_put(v, batch_sharding(mesh, rules, np.ndim(v))) for k, v in batch.items()}
+def shard_batch(batch: dict, mesh: Mesh, rules: Rules, rows: int | None = None) -> dict:
+    """Put every array of a batch on the mesh, its leading (batch) axis split by the rules.
+    `batch` holds this process's rows of a global batch of `rows` (default: all of them; in a
+    multi-host trainer each process passes only the rows its devices hold)."""
+    out = {}
+    for k, v in batch.items():
+        v = np.asarray(v)
+        shape = (rows if rows is not None else v.shape[0],) + v.shape[1:]
+        out[k] = jax.make_array_from_process_local_data(batch_sharding(mesh, rules, v.ndim), v,
+                                                        shape)
+    return out

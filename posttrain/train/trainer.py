@@ -30,17 +30,19 @@ from flax import nnx
 
 from posttrain.config import RunConfig
 from posttrain.models.config import ModelConfig
-from posttrain.sharding import batch_sharding, make_mesh, use_mesh
+from posttrain.sharding import batch_sharding, make_mesh, shard_batch, use_mesh
 from posttrain.train.checkpoint import Checkpointer, restore_train_state, save_train_state
 from posttrain.train.optimizer import init_opt_state, lr_schedule, make_optimizer
 from posttrain.train.step import TrainState, make_eval_step, make_train_step, next_token_loss
 
 
 def host_value(tree):
-    """Device values -> numpy. An array spread over several processes is gathered (every
-    process calls this on the same values: a collective)."""
+    """Device values -> numpy, in one batched transfer. An array spread over several processes
+    is gathered (every process calls this on the same values: a collective)."""
     from converters.export import host_array
 
+    if all(x.is_fully_addressable for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)):
+        return jax.device_get(tree)
     return jax.tree.map(lambda x: host_array(x) if isinstance(x, jax.Array) else x, tree)
 
 
@@ -99,15 +101,8 @@ class Trainer:
 
     # ---- data in -------------------------------------------------------------------------------
     def put(self, batch: dict, rows: int | None = None) -> dict:
-        """A batch on the mesh, its leading axis split by the rules. `batch` holds this
-        process's rows of a global batch of `rows` (default: all of them)."""
-        out = {}
-        for k, v in batch.items():
-            v = np.asarray(v)
-            shape = ((rows if rows is not None else v.shape[0]),) + v.shape[1:]
-            out[k] = jax.make_array_from_process_local_data(
-                batch_sharding(self.mesh, self.rules, v.ndim), v, shape)
-        return out
+        """A batch on the mesh: this process's rows of a global batch of `rows` (default: all)."""
+        return shard_batch(batch, self.mesh, self.rules, rows)
 
     def local_rows(self, rows: int) -> tuple[int, int]:
         return batch_rows(self.mesh, self.rules, rows)
