@@ -44,6 +44,17 @@ def read_header(file: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
+def check_complete(file: Path, header: dict, start: int) -> None:
+    """A file cut short (an interrupted download or copy) names the first tensor whose bytes
+    run past its end, instead of failing later inside a read."""
+    size = file.stat().st_size
+    for name, info in sorted(header.items(), key=lambda kv: kv[1].get("data_offsets", [0, 0])[1]):
+        end = start + int(info.get("data_offsets", [0, 0])[1])
+        if end > size:
+            raise UserError(f"{file}: truncated: tensor {name} ends at byte {end} but the file "
+                            f"has {size} bytes (re-download or re-copy it)")
+
+
 class SafetensorsReader:
     """Every tensor of a (possibly sharded) safetensors checkpoint, read one at a time."""
 
@@ -64,6 +75,7 @@ class SafetensorsReader:
         self.entries: dict[str, tuple[str, dict, int]] = {}
         for shard in files:
             header, start = read_header(path / shard)
+            check_complete(path / shard, header, start)
             for name, info in header.items():
                 if weight_map is None or weight_map.get(name) == shard:
                     self.entries[name] = (shard, info, start)

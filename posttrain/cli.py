@@ -12,11 +12,36 @@ import sys
 from posttrain.errors import UserError
 
 
+def add_recipe_arguments(p: argparse.ArgumentParser, many: bool = False) -> None:
+    """RECIPE then overrides, the same in run, validate and plan: `key.sub=value` positionally
+    or `--set key.sub=value` (repeatable); both may be mixed."""
+    p.add_argument("items", nargs="+", metavar="RECIPE" + (" [RECIPE ...]" if many else "")
+                   + " [key.sub=value ...]", help="recipe file(s), then overrides")
+    p.add_argument("--set", dest="set_overrides", action="append", default=[],
+                   metavar="key.sub=value", help="an override (same as a positional key=value)")
+    p.set_defaults(many_recipes=many)
+
+
+def recipes_and_overrides(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """Split the positional items into recipe files and `key=value` overrides."""
+    from pathlib import Path
+
+    recipes = [a for a in args.items if "=" not in a or Path(a).is_file()]
+    overrides = [a for a in args.items if a not in recipes] + args.set_overrides
+    if not recipes:
+        raise UserError("no recipe given (positional items with '=' are overrides)")
+    if len(recipes) > 1 and not args.many_recipes:
+        raise UserError(f"one recipe expected, got {len(recipes)}: {' '.join(recipes)} "
+                        "(overrides are key.sub=value)")
+    return recipes, overrides
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from posttrain.config import check_recipe, load_recipe
     from posttrain.runner import run_stages
 
-    stages = load_recipe(args.recipe, args.overrides)
+    (recipe,), overrides = recipes_and_overrides(args)
+    stages = load_recipe(recipe, overrides)
     import jax
 
     check_recipe(stages, jax.device_count())
@@ -25,25 +50,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from posttrain.config import check_recipe, load_recipe
+    from posttrain.config import check_recipe, load_recipe, validation_devices
 
+    recipes, overrides = recipes_and_overrides(args)
     if args.devices is None:
         import jax
 
-        devices = jax.device_count()
-    else:
-        devices = args.devices
+        local = jax.device_count()
     failed = 0
-    for recipe in args.recipes:
+    for recipe in recipes:
+        note = ""
         try:
-            stages = load_recipe(recipe, args.overrides)
+            stages = load_recipe(recipe, overrides)
+            if args.devices is None:
+                devices, why = validation_devices(stages, local)
+                note = f" (checked against {devices} devices: {why})" if why else ""
+            else:
+                devices = args.devices
             check_recipe(stages, devices)
         except UserError as e:
-            print(f"{recipe}: error: {e}", file=sys.stderr)
+            print(f"{recipe}: error: {e}{note}", file=sys.stderr)
             failed += 1
             continue
         names = ", ".join(f"{c.name} ({c.algorithm})" for c in stages)
-        print(f"{recipe}: ok: {names}")
+        print(f"{recipe}: ok: {names}{note}")
     return 2 if failed else 0
 
 
@@ -52,15 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run a recipe (all its stages)")
-    run.add_argument("recipe")
-    run.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    add_recipe_arguments(run)
     run.set_defaults(fn=_cmd_run)
 
     val = sub.add_parser("validate", help="parse and cross-check recipes without running them")
-    val.add_argument("recipes", nargs="+")
-    val.add_argument("--set", dest="overrides", action="append", default=[], metavar="key=value")
+    add_recipe_arguments(val, many=True)
     val.add_argument("--devices", type=int, default=None,
-                     help="device count to check the mesh against (default: this machine's)")
+                     help="device count to check the mesh against (default: the count a fixed "
+                     "mesh names, else this machine's)")
     val.set_defaults(fn=_cmd_validate)
 
     from converters.convert import add_parser as add_convert
@@ -79,7 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "items") and not any(a.startswith("-") for a in extra):
+        args.items += extra  # positional overrides after an option: `run R --set a=1 b=2`
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if getattr(args, "early", None):  # e.g. device flags that must precede JAX's start
             args.early(args)

@@ -625,6 +625,25 @@ def _looks_like_path(value: str) -> bool:
         value.count("/") != 1
 
 
+def named_devices(cfg: RunConfig) -> int | None:
+    """The device count a stage names: its mesh's when no axis is -1, a trainer group's
+    hosts x devices_per_host; None when a -1 axis takes whatever there is."""
+    ici, dcn, t = cfg.mesh.ici.model_dump(), cfg.mesh.dcn.model_dump(), cfg.trainer
+    if any(v == -1 for v in ici.values()):
+        return t.hosts * t.devices_per_host if t.hosts > 1 and t.devices_per_host else None
+    return math.prod(ici.values()) * math.prod(dcn.values())
+
+
+def validation_devices(stages: list[RunConfig], local: int) -> tuple[int, str | None]:
+    """The device count `posttrain validate` checks a recipe against: the one its mesh names
+    when this machine has a different count (a GPU/TPU recipe validated on a laptop), else
+    this machine's. The reason comes back when it is not this machine's count."""
+    named = next((n for n in map(named_devices, reversed(stages)) if n is not None), None)
+    if named is None or named == local:
+        return local, None
+    return named, f"the count the recipe's mesh names; this machine has {local}"
+
+
 def trainer_devices(cfg: RunConfig, local: int) -> int:
     """The devices the trainer's mesh covers: this process's (`local`), or a trainer group's
     hosts x devices_per_host (each host's own count when devices_per_host is unset)."""

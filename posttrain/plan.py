@@ -429,14 +429,15 @@ def print_report(r: dict, console=None) -> None:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="per-device memory and sharding plan of a recipe, before hardware")
-    p.add_argument("recipe")
+    from posttrain.cli import add_recipe_arguments
+
+    add_recipe_arguments(p)
     p.add_argument("--devices", type=int, help="devices to plan for (GPU/CPU); default: the mesh's")
     p.add_argument("--topology", help="TPU slice to compile for, e.g. v5p-64 or v5p:2x4x4")
     p.add_argument("--accelerator", choices=sorted(ACCELERATORS),
                    help="device memory to fit (default: from --topology, else h100)")
     p.add_argument("--no-compile", action="store_true", help="analytical estimate only")
     p.add_argument("--json", action="store_true", help="one JSON object per stage on stdout")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="key=value")
     p.set_defaults(fn=_cmd_plan, early=_prepare_devices)
 
 
@@ -484,22 +485,23 @@ def _prepare_devices(args) -> None:
         os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-def _devices_from_recipe(args) -> int | None:
-    from posttrain.config import load_recipe
+def _recipe(args) -> tuple[str, list[str]]:
+    from posttrain.cli import recipes_and_overrides
 
-    stages = load_recipe(args.recipe, args.overrides)
-    ici, dcn = stages[-1].mesh.ici.model_dump(), stages[-1].mesh.dcn.model_dump()
-    t = stages[-1].trainer
-    if any(v == -1 for v in ici.values()):
-        # a trainer group's mesh covers its hosts' devices
-        return t.hosts * t.devices_per_host if t.hosts > 1 and t.devices_per_host else None
-    return math.prod(ici.values()) * math.prod(dcn.values())
+    (recipe,), overrides = recipes_and_overrides(args)
+    return recipe, overrides
+
+
+def _devices_from_recipe(args) -> int | None:
+    from posttrain.config import load_recipe, named_devices
+
+    return named_devices(load_recipe(*_recipe(args))[-1])
 
 
 def _cmd_plan(args) -> int:
     from posttrain.config import load_recipe
 
-    stages = load_recipe(args.recipe, args.overrides)
+    stages = load_recipe(*_recipe(args))
     if args.topology:
         accel = args.accelerator or re.split(r"[-:]", args.topology)[0]
         if accel not in ACCELERATORS:

@@ -13,7 +13,7 @@ import numpy as np
 from posttrain.algorithms import grpo as G
 from posttrain.config import RunConfig
 from posttrain.data import generated
-from posttrain.data.dataset import load_rows
+from posttrain.data.dataset import load_rows, locate
 from posttrain.errors import UserError
 
 
@@ -40,11 +40,13 @@ class PromptIterator:
         self.epoch, self.index = st["epoch"], st["index"]
 
     def take(self, k: int) -> list[dict]:
-        out = []
+        """The next `k` rows; their indices in the dataset are left in `last_ids`."""
+        out, self.last_ids = [], []
         while len(out) < k:
             order = self._order_for(self.epoch)
             while self.index < len(order) and len(out) < k:
-                out.append(dict(self.rows[int(order[self.index])]))
+                self.last_ids.append(int(order[self.index]))
+                out.append(dict(self.rows[self.last_ids[-1]]))
                 self.index += 1
             if self.index >= len(order):
                 self.epoch, self.index = self.epoch + 1, 0
@@ -61,12 +63,12 @@ def prompt_rows(cfg: RunConfig, split: str, n: int | None = None) -> list[dict]:
     return [dict(rows[i]) for i in range(min(len(rows), n or len(rows)))]
 
 
-def encode_prompt(row: dict, tokenizer, chat: bool, idx: int) -> list[int]:
+def encode_prompt(row: dict, tokenizer, chat: bool, idx: int, source: str = "data") -> list[int]:
     prompt = row.get("prompt")
     if prompt is None and "messages" in row:
         prompt = [m for m in row["messages"] if m["role"] != "assistant"]
     if not prompt:
-        raise UserError(f"data row {idx}: needs a 'prompt' (text or messages)")
+        raise UserError(f"{locate(source, idx)}: needs a 'prompt' (text or messages)")
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}] if chat else prompt
     if isinstance(prompt, list):
@@ -164,7 +166,8 @@ def sample_groups(cfg: RunConfig, engine, pool, prompts: PromptIterator, tokeniz
     for attempt in range(1, (g.dynamic_sampling.max_attempts if g.dynamic_sampling.enabled else 1) + 1):
         need = g.prompts_per_step - len(kept_rollouts) // g.group_size
         rows = prompts.take(need)
-        ids = [encode_prompt(r, tokenizer, g.chat_template, i) for i, r in enumerate(rows)]
+        ids = [encode_prompt(r, tokenizer, g.chat_template, i, cfg.data.source)
+               for i, r in zip(prompts.last_ids, rows)]
         t0 = time.perf_counter()
         outs = engine.generate(ids, SamplingParams(**{**sp.__dict__, "seed": sp.seed + attempt}))
         times["time/rollout"] = times.get("time/rollout", 0.0) + time.perf_counter() - t0
@@ -214,5 +217,6 @@ def greedy_accuracy(cfg: RunConfig, engine, pool, rows: list[dict], prompt_ids: 
 
 
 def evaluate(cfg: RunConfig, engine, tokenizer, pool, rows: list[dict]) -> dict:
-    ids = [encode_prompt(r, tokenizer, cfg.grpo.chat_template, i) for i, r in enumerate(rows)]
+    ids = [encode_prompt(r, tokenizer, cfg.grpo.chat_template, i, cfg.data.eval_source or
+                         cfg.data.source) for i, r in enumerate(rows)]
     return greedy_accuracy(cfg, engine, pool, rows, ids, stop=tuple(cfg.grpo.stop))[0]

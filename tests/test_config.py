@@ -56,6 +56,10 @@ USER_ERRORS = {
         ["train.stpes: unknown key; did you mean train.steps?"]),
     "override_bad_value": ("train:\n  steps: 3\n", ["train.steps=-1"],
         ["train.steps: Input should be greater than 0"]),
+    "set_override_typo": ("train:\n  steps: 3\n", ["--set", "train.stpes=5"],
+        ["train.stpes: unknown key; did you mean train.steps?"]),
+    "two_recipes_to_run": ("train:\n  steps: 3\n", ["recipes/sft_tiny.yaml"],
+        ["one recipe expected, got 2", "key.sub=value"]),
 }
 
 
@@ -145,3 +149,37 @@ def test_a_trainer_group_is_checked_against_placement_transport_and_mesh(tmp_pat
         return
     with pytest.raises(UserError, match=error):
         check_recipe(load_recipe(recipe, over), 1)
+
+
+@pytest.mark.parametrize("command", ["run", "validate", "plan"])
+def test_run_validate_and_plan_take_overrides_in_the_same_forms(command):
+    from posttrain.cli import build_parser, recipes_and_overrides
+
+    args, extra = build_parser().parse_known_args(
+        [command, "recipes/sft_tiny.yaml", "train.steps=5", "--set", "seed=2"])
+    args.items += extra
+    assert recipes_and_overrides(args) == (["recipes/sft_tiny.yaml"], ["train.steps=5", "seed=2"])
+    (recipe,), overrides = recipes_and_overrides(args)
+    (cfg,) = load_recipe(recipe, overrides)
+    assert (cfg.train.steps, cfg.seed) == (5, 2)
+
+
+def test_validate_takes_positional_overrides_and_several_recipes(tmp_path):
+    r = cli("validate", "recipes/sft_tiny.yaml", "recipes/pretrain_tiny.yaml", "train.stpes=5")
+    assert r.returncode == 2 and r.stderr.count("train.stpes: unknown key") == 2, r.stderr
+
+
+def test_validate_checks_a_fixed_mesh_against_the_count_it_names():
+    """A GPU/TPU recipe validates on a laptop: its fixed mesh names the devices it targets."""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}  # 1 device
+    r = subprocess.run([sys.executable, "-m", "posttrain.cli", "validate",
+                        "recipes/grpo_qwen3_30b.yaml", "recipes/grpo_qwen3_30b_v5p64.yaml",
+                        "recipes/sft_tiny.yaml"], capture_output=True, text=True, cwd=ROOT,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    assert "checked against 8 devices" in out[0] and "this machine has 1" in out[0]
+    assert "checked against 32 devices" in out[1] and "checked against" not in out[2]
+    # the named count is still checked: a batch the 8-way mesh cannot split fails
+    r = cli("validate", "recipes/grpo_qwen3_30b.yaml", "grpo.prompts_per_step=3")
+    assert r.returncode == 2 and "data x fsdp mesh size (8)" in r.stderr, r.stderr

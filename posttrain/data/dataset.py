@@ -9,6 +9,9 @@ name the file and row. `PackedBatches` walks a seeded permutation of the rows, p
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,35 +24,93 @@ from posttrain.data.packing import pack_rows
 from posttrain.errors import UserError
 
 
+# ---- where a row lives in its file -------------------------------------------------------------
+@functools.lru_cache(maxsize=8)
+def _jsonl_row_lines(path: str, mtime: float) -> tuple[int, ...]:
+    """1-based line numbers of a JSON Lines file's rows (blank lines hold no row)."""
+    with open(path, "rb") as f:
+        return tuple(n for n, line in enumerate(f, 1) if line.strip())
+
+
+def locate(source: str, idx: int) -> str:
+    """`FILE: line N (row I)` for a JSON Lines file, whose users count lines from 1 and rows
+    (what `datasets` indexes) skip blank lines; `SOURCE: row I` (from 0) for anything else."""
+    p = Path(source)
+    if p.suffix == ".jsonl" and p.is_file():
+        lines = _jsonl_row_lines(str(p), p.stat().st_mtime)
+        if 0 <= idx < len(lines):
+            return f"{source}: line {lines[idx]} (row {idx})"
+    return f"{source}: row {idx}"
+
+
+def first_bad_json_line(path: Path) -> str | None:
+    """Why a JSON Lines file does not parse, naming the first bad line; None if every line does."""
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                return f"line {n}: invalid JSON: {getattr(e, 'msg', e)} (column {getattr(e, 'colno', '?')})"
+            if not isinstance(value, dict):
+                return f"line {n}: expected a JSON object per line, got {type(value).__name__}"
+    return None
+
+
 def load_rows(source: str, split: str, data: DataSection):
     """`split` is 'train' or 'eval'; a hub/saved source maps it to data.split / data.eval_split."""
     if source == "generated":
         g = data.generated
         n = g.num_train if split == "train" else g.num_eval
         return generated.rows(data.format, split, n, g.max_operand, g.seed, g.eval_fraction, g.worked)
-    import datasets
-
     p = Path(source)
     split = data.split if split == "train" else data.eval_split
     try:
-        if p.is_dir():
-            ds = datasets.load_from_disk(str(p))
-            if isinstance(ds, datasets.DatasetDict):
-                ds = ds[split if split in ds else "train"]
-            return ds
-        if p.suffix in (".jsonl", ".json"):
-            return datasets.load_dataset("json", data_files=str(p), split="train")
-        if p.suffix == ".parquet":
-            return datasets.load_dataset("parquet", data_files=str(p), split="train")
-        if p.suffix:
-            raise UserError(f"{source}: unsupported data file type {p.suffix} (jsonl, json, parquet)")
-        return datasets.load_dataset(source, split=split)
+        with _quiet_datasets():
+            return _load(source, p, split)
     except UserError:
         raise
     except FileNotFoundError as e:
         raise UserError(f"{source}: {e}") from None
     except Exception as e:  # datasets raises many types for unreadable input
+        why = first_bad_json_line(p) if p.suffix == ".jsonl" and p.is_file() else None
+        if why:
+            raise UserError(f"{source}: {why}") from None
         raise UserError(f"{source}: cannot load dataset: {type(e).__name__}: {e}") from None
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    """No progress bars or logged parse errors from `datasets` while it reads local files: a
+    failure is reported once, by us, naming the line."""
+    import datasets
+
+    bars = datasets.utils.logging.is_progress_bar_enabled()
+    level = datasets.utils.logging.get_verbosity()
+    datasets.utils.logging.disable_progress_bar()
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.utils.logging.set_verbosity(level)
+        if bars:
+            datasets.utils.logging.enable_progress_bar()
+
+
+def _load(source: str, p: Path, split: str):
+    import datasets
+
+    if p.is_dir():
+        ds = datasets.load_from_disk(str(p))
+        return ds[split if split in ds else "train"] if isinstance(ds, datasets.DatasetDict) else ds
+    if p.suffix in (".jsonl", ".json"):
+        return datasets.load_dataset("json", data_files=str(p), split="train")
+    if p.suffix == ".parquet":
+        return datasets.load_dataset("parquet", data_files=str(p), split="train")
+    if p.suffix:
+        raise UserError(f"{source}: unsupported data file type {p.suffix} (jsonl, json, parquet)")
+    return datasets.load_dataset(source, split=split)
 
 
 @dataclass
@@ -61,7 +122,7 @@ class Encoder:
     source: str
 
     def bad(self, idx: int, why: str) -> UserError:
-        return UserError(f"{self.source}: row {idx}: {why}")
+        return UserError(f"{locate(self.source, idx)}: {why}")
 
     def __call__(self, row: dict, idx: int) -> tuple[list[int], list[int]] | None:
         fmt = self.data.format

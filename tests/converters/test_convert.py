@@ -160,11 +160,17 @@ def _wrong_shape(d: Path):
     (d / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 192}))
 
 
+def _truncated(d: Path):
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size * 2 // 3])
+
+
 @pytest.mark.parametrize("breakage,expect", [
     (_unknown_arch, ["config.json", "gpt2"]),
     (_missing_shard, ["model-00002-of-000", "missing"]),
     (_wrong_shape, ["model.safetensors", "model.layers.0.mlp.gate_proj.weight", "(256, 128)", "(192, 128)"]),
-], ids=["unknown-architecture", "missing-shard", "shape-mismatch"])
+    (_truncated, ["model.safetensors", "truncated", "tensor model."]),
+], ids=["unknown-architecture", "missing-shard", "shape-mismatch", "truncated-file"])
 def test_bad_input_exits_2_naming_the_problem_and_writes_nothing(tmp_path, capsys, breakage, expect):
     save_tiny_hf_model(tmp_path / "hf", "qwen3")
     breakage(tmp_path / "hf")

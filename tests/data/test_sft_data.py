@@ -1,6 +1,7 @@
 """SFT data: chat loss masks on a hand-built example, prompt/completion, bad rows, sources."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -59,7 +60,7 @@ def test_bad_rows_name_file_and_row(tok, tmp_path, row, why):
     data = DataSection(source=str(path), format="messages", seq_len=64)
     rows = load_rows(str(path), "train", data)
     it = PackedBatches(rows, Encoder(tok, data, str(path)), 2, 64, seed=0, shuffle=False)
-    with pytest.raises(UserError, match=rf"{path}: row 2: .*{why}"):
+    with pytest.raises(UserError, match=rf"{path}: line 3 \(row 2\): .*{why}"):
         it.next_batch()
     skip = DataSection(source=str(path), format="messages", seq_len=64, skip_bad_rows=True)
     it = PackedBatches(rows, Encoder(tok, skip, str(path)), 2, 64, seed=0, shuffle=False)
@@ -92,3 +93,43 @@ def test_iterator_position_restores_exactly(tok):
     c = PackedBatches(rows, Encoder(tok, data, "g"), 4, 64, seed=3)
     c.restore(b.state())
     assert [c.next_batch()[1] for _ in range(3)] == seen[3:]
+
+
+BAD_FILES = {  # file text, fragments of the one-line error
+    "malformed_json_line": ('{"text": "a"}\n\n{"text": "b"}\n{"text": "c",\n{"text": "d"}\n',
+                            ["train.jsonl: line 4: invalid JSON"]),
+    # a blank line before it: line 4 of the file is row 2 of the dataset
+    "bad_row_after_a_blank_line": ('{"text": "a"}\n\n{"text": "b"}\n{"text": ""}\n',
+                                   ["train.jsonl: line 4 (row 2): missing or empty 'text'"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_bad_data_file_exits_2_naming_file_and_line(tmp_path, case):
+    """Through the CLI as a user meets it: exit 2, one line, no traceback."""
+    import subprocess
+    import sys
+
+    from posttrain.data.tokenizer import train_bpe
+
+    text, fragments = BAD_FILES[case]
+    (tmp_path / "train.jsonl").write_text(text)
+    train_bpe(generated.corpus_for_tokenizer(9), 300, tmp_path / "tok")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-m", "posttrain.cli", "run", "recipes/pretrain_tiny.yaml",
+                        f"run_dir={tmp_path / 'run'}", "--set", f"data.source={tmp_path / 'train.jsonl'}",
+                        f"tokenizer.path={tmp_path / 'tok'}", "train.steps=2", "train.batch_size=2",
+                        "tracking.wandb.mode=disabled"],
+                       capture_output=True, text=True, cwd=root, env=env, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()  # the progress bar's line may precede the message
+    assert "Traceback" not in r.stderr and lines[-1].startswith("posttrain: error:"), r.stderr
+    assert sum("error" in line for line in lines) == 1, r.stderr
+    assert all(f in lines[-1] for f in fragments), r.stderr
+
+
+def test_a_jsonl_line_that_is_not_an_object_is_named(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"text": "a"}\n[1, 2]\n')
+    with pytest.raises(UserError, match=r"train.jsonl: line 2: expected a JSON object"):
+        load_rows(str(tmp_path / "train.jsonl"), "train", DataSection(format="text"))
