@@ -17,3 +17,17 @@ class ClusterError(UserError):
     host, exit status 1. Running the same command again resumes from the last checkpoint."""
 
     exit_code = 1
+
+
+class CheckpointError(UserError):
+    """A checkpoint could not be written (disk full, permissions) or none could be read: one
+    line naming the directory and step, exit status 1. What was saved before is left intact."""
+
+    exit_code = 1
+
+
+def warn(message: str) -> None:
+    """A problem the run recovers from, on one line of stderr like the CLI's errors."""
+    import sys
+
+    print(f"posttrain: warning: {message}", file=sys.stderr, flush=True)

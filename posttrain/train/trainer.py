@@ -153,12 +153,14 @@ class Trainer:
     def restore(self) -> dict | None:
         """Resume from the latest checkpoint when the recipe asks to: its meta (with the data
         position and `step`), or None when there is none."""
-        latest = self.ckpt.latest_step() if self.cfg.checkpoint.resume else None
-        if latest is None:
+        if not self.cfg.checkpoint.resume:
             return None
-        self.state, meta = restore_train_state(self.ckpt, latest, self.graphdef, self.state,
-                                               self.trainable)
-        return {**meta, "step": latest}
+        found = self.ckpt.restore_latest(lambda step: restore_train_state(
+            self.ckpt, step, self.graphdef, self.state, self.trainable))
+        if found is None:
+            return None
+        step, (self.state, meta) = found
+        return {**meta, "step": step}
 
     def latest_step(self) -> int | None:
         return self.ckpt.latest_step()
