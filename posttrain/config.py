@@ -139,6 +139,14 @@ class CheckpointSection(Strict):
     resume: bool = True
 
 
+class WatchdogSection(Strict):
+    warn_after_s: float = Field(600.0, ge=0, description="report a phase of a step (rollouts, "
+                                "rewards, the update, a weight sync, evaluation, a checkpoint) "
+                                "that has waited this long, naming what it waits on; 0: never")
+    abort_after_s: float = Field(3600.0, ge=0, description="end the run (exit 1) when one phase "
+                                 "has waited this long: it cannot make progress; 0: never")
+
+
 class WandbSection(Strict):
     enabled: bool = True
     mode: Literal["auto", "online", "offline", "disabled"] = "auto"
@@ -284,6 +292,9 @@ class RolloutSection(Strict):
         "colocated, object_store otherwise")
     bucket_mb: int = Field(256, gt=0, description="weight sync bucket size (MiB): the trainer "
                            "holds at most about two buckets of exported weights at a time")
+    request_timeout_s: float = Field(3600.0, gt=0, description="disaggregated: a worker that "
+                                     "has not answered its share of a batch after this long is "
+                                     "hung; it is replaced and its prompts sent again")
     sync_timeout_s: float = Field(600.0, gt=0, description="collective transport: how long a "
                                   "rank waits for the others before the sync fails")
 
@@ -357,6 +368,7 @@ class RunConfig(Strict):
     optimizer: OptimizerSection = OptimizerSection()
     train: TrainSection = TrainSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    watchdog: WatchdogSection = WatchdogSection()
     tracking: TrackingSection = TrackingSection()
     mesh: MeshSection = MeshSection()
     rewards: RewardsSection = RewardsSection()

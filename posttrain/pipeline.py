@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from posttrain.algorithms import grpo as G
+from posttrain import faults, watchdog
 from posttrain.config import RunConfig
 from posttrain.rollouts import (
     PromptIterator,
@@ -76,6 +77,7 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
             start = meta["step"]
         tracker = None
         executor = None
+        dog = watchdog.for_run(cfg, run_dir)
         last: dict = {}
         try:
             engine = build_engines(cfg, trainer, tokenizer, run_dir)
@@ -96,20 +98,23 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                                     top_k=g.top_k, max_tokens=g.max_tokens, stop=tuple(g.stop),
                                     logprobs=g.logprob_semantics,
                                     seed=cfg.seed * 1_000_003 + step * 101)
-                rollouts, all_rewards, adv_mask, scores, attempts = sample_groups(
+                rollouts, all_rewards, adv_mask, scores, attempts, prompt_ids = sample_groups(
                     cfg, engine, pool, prompts, tokenizer, sp, times)
                 adv = G.ADVANTAGES[g.advantage](all_rewards, g.group_size) * adv_mask
                 return {"rollouts": rollouts, "rewards": all_rewards, "adv_mask": adv_mask,
                         "scores": scores, "attempts": attempts, "times": times,
+                        "prompt_ids": prompt_ids,
                         "batch": build_batch(rollouts, adv, cfg.data.seq_len)}
 
             off_policy = cfg.async_.off_policy_steps > 0
             executor = ThreadPoolExecutor(1, thread_name_prefix="rollout") if off_policy else None
             tracker = Tracker(cfg, run_dir, t.steps, start)
             if start == 0:
-                tracker.log(0, evaluate(cfg, engine, tokenizer, pool, eval_rows))
+                with dog.waiting("the evaluation before step 1"):
+                    tracker.log(0, evaluate(cfg, engine, tokenizer, pool, eval_rows))
             t0 = time.perf_counter()  # a step's wall time runs from the previous step's log
-            job = produce(start) if start < t.steps else None
+            with dog.waiting(f"rollouts and rewards for step {start + 1}"):
+                job = produce(start) if start < t.steps else None
             for step in range(start, t.steps):
                 # 1-4. the batch: sampled, scored, advantages (generated before this step)
                 rollouts, all_rewards, adv_mask = job["rollouts"], job["rewards"], job["adv_mask"]
@@ -119,14 +124,18 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                 pending = (executor.submit(produce, step + 1)
                            if off_policy and step + 1 < t.steps else None)
                 # 5. the update
-                m, logp_old = trainer.update(batch)
+                with dog.waiting(f"the update of step {step + 1}"):
+                    m, logp_old = trainer.update(batch)
+                faults.point("step")
                 if pending is not None:  # the engine must be idle before it takes new weights
                     tr = time.perf_counter()
-                    nxt = pending.result()
+                    with dog.waiting(f"rollouts and rewards for step {step + 2}"):
+                        nxt = pending.result()
                     times["time/rollout_wait"] = time.perf_counter() - tr
                 # 6. the new weights to every engine, proven by the probe
                 tr = time.perf_counter()
-                sync = push([engine], trainer, model_cfg, step + 1, **sync_opts)
+                with dog.waiting(f"the weight sync after step {step + 1}"):
+                    sync = push([engine], trainer, model_cfg, step + 1, **sync_opts)
                 times["time/sync"] = time.perf_counter() - tr
                 # 7. metrics, evaluation, checkpoint
                 m.update(times)
@@ -136,16 +145,22 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                 m.update({"policy_version": float(step + 1), "time/step": time.perf_counter() - t0,
                           **sync})
                 if cfg.eval.every and (step + 1) % cfg.eval.every == 0 or step + 1 == t.steps:
-                    m.update(evaluate(cfg, engine, tokenizer, pool, eval_rows))
+                    with dog.waiting(f"evaluation at step {step + 1}"):
+                        m.update(evaluate(cfg, engine, tokenizer, pool, eval_rows))
                 tracker.log(step + 1, m)
+                tracker.log_rows(step + 1, job["prompt_ids"])
                 t0 = time.perf_counter()
                 last = m
                 if (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or step + 1 == t.steps:
-                    trainer.save(step + 1, data_state, policy_version=step + 1)
+                    with dog.waiting(f"checkpoint {step + 1}"):
+                        trainer.save(step + 1, data_state, policy_version=step + 1)
                 if step + 1 < t.steps:
-                    job = nxt if off_policy else produce(step + 1)
-            trainer.wait()
+                    with dog.waiting(f"rollouts and rewards for step {step + 2}"):
+                        job = nxt if off_policy else produce(step + 1)
+            with dog.waiting("the last checkpoint write"):
+                trainer.wait()
         finally:
+            dog.close()
             if executor is not None:
                 executor.shutdown(wait=True, cancel_futures=True)
             if tracker is not None:

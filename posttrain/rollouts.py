@@ -150,7 +150,7 @@ def build_engines(cfg: RunConfig, trainer, tokenizer, run_dir: Path):
                      "tensor_parallel_size": r.tensor_parallel_size, "seed": cfg.seed,
                      "enforce_eager": r.enforce_eager,
                      "enable_expert_parallel": r.enable_expert_parallel}}
-    return WorkerGroup(spec, r.num_workers)
+    return WorkerGroup(spec, r.num_workers, request_timeout_s=r.request_timeout_s)
 
 
 # ---- sampling a batch --------------------------------------------------------------------------
@@ -162,10 +162,11 @@ def sample_groups(cfg: RunConfig, engine, pool, prompts: PromptIterator, tokeniz
     from rollout.engine import SamplingParams
 
     g = cfg.grpo
-    kept_rollouts, kept_rewards, last_scores = [], [], None
+    kept_rollouts, kept_rewards, last_scores, taken = [], [], None, []
     for attempt in range(1, (g.dynamic_sampling.max_attempts if g.dynamic_sampling.enabled else 1) + 1):
         need = g.prompts_per_step - len(kept_rollouts) // g.group_size
         rows = prompts.take(need)
+        taken += prompts.last_ids
         ids = [encode_prompt(r, tokenizer, g.chat_template, i, cfg.data.source)
                for i, r in zip(prompts.last_ids, rows)]
         t0 = time.perf_counter()
@@ -193,7 +194,7 @@ def sample_groups(cfg: RunConfig, engine, pool, prompts: PromptIterator, tokeniz
         kept_rollouts += filler * (missing // g.group_size)
         rewards = np.concatenate([rewards, np.zeros(missing)])
     adv_mask = (np.arange(len(kept_rollouts)) < n_real).astype(np.float64)
-    return kept_rollouts, rewards, adv_mask, last_scores, attempt
+    return kept_rollouts, rewards, adv_mask, last_scores, attempt, taken
 
 
 # ---- evaluation ----------------------------------------------------------------------------------
@@ -202,8 +203,10 @@ def greedy_accuracy(cfg: RunConfig, engine, pool, rows: list[dict], prompt_ids: 
     """Greedy completions of held-out rows, scored by the reward pool; 'correct' means the reward
     named by `eval.reward` (default: the first) reaches 1. `prefix` is prepended to each
     completion before scoring (a plain-text probe whose prompt ends mid-sentence)."""
+    from posttrain import faults
     from rollout.engine import SamplingParams
 
+    faults.point("eval")
     outs = engine.generate(prompt_ids, SamplingParams(
         temperature=0.0, max_tokens=cfg.eval.max_tokens or cfg.grpo.max_tokens, stop=stop))
     texts = [prefix + o.text for o in outs]

@@ -61,6 +61,12 @@ class Tracker:
                          settings=wandb.Settings(silent=True, console="off"))
         return run
 
+    def log_rows(self, step: int, rows: list[int]) -> None:
+        """The data rows (or prompts) step `step` trained on, to RUN_DIR/data_order.jsonl; a
+        step replayed after a resume appends again (the last line of a step is what it kept)."""
+        with (self.run_dir / "data_order.jsonl").open("a") as f:
+            f.write(json.dumps({"step": step, "rows": [int(r) for r in rows]}) + "\n")
+
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, "time": round(time.time() - self._t0, 3),
                **{k: _scalar(v) for k, v in metrics.items()}}

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from posttrain import faults
 from posttrain.config import RewardsSection
 from posttrain.errors import UserError
 
@@ -108,6 +109,7 @@ class RewardPool:
                 w.wait_ready()
                 w.conn.send((spec.fn, spec.adapter, spec.kwargs, prompts, completions, columns))
             deadline = time.monotonic() + self.cfg.timeout_s
+            faults.point("reward")
             for i, spec in enumerate(wave):
                 w = self._workers[i]
                 if w.conn.poll(max(0.0, deadline - time.monotonic())):

@@ -45,6 +45,7 @@ from flax import nnx
 
 from converters.export import EffectiveParams
 from converters.hf import hf_shape, hf_tensor_names, our_path
+from posttrain import faults
 from posttrain.models.config import ModelConfig
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -133,6 +134,7 @@ class Exporter:
         as much as copying 16 of them on these machines); the caller must be done with a
         buffer by the time it comes round again."""
         for i, meta in enumerate(self.plan):
+            faults.point("weight_sync")
             buf = (np.empty(meta.nbytes, np.uint8) if not buffers
                    else buffers[i % len(buffers)][:meta.nbytes])
             for (_, dst), t in zip(unpack(meta, buf), meta.tensors):
@@ -144,6 +146,7 @@ class Exporter:
         caller casts if it must): device arrays, or for the HF layout torch views over them
         (DLPack, then a transposed view: nothing copied where nothing had to be computed)."""
         for meta in self.plan:
+            faults.point("weight_sync")
             yield meta, [(t.name, self._view(t.name)) for t in meta.tensors]
 
     def _view(self, name: str):

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from converters.export import EffectiveParams
+from posttrain import faults
 from converters.hf import nnx_to_hf
 from posttrain.models.config import ModelConfig
 
@@ -112,6 +113,7 @@ def push(engines, state, cfg: ModelConfig, version: int, *, probe=None,
     t0 = time.perf_counter()
     nbytes, buckets = 0.0, 0.0
     for eng in engines:
+        faults.point("weight_sync")
         if isinstance(eng, JaxEngine) and transport in ("auto", "in_process"):
             m = eng.update_weights(state if trainer is None else trainer.policy_state(), version)
         else:

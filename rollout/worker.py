@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from posttrain.errors import warn
 from rollout.engine import Rollout, SamplingParams
 
 
@@ -113,16 +114,20 @@ class RolloutWorker:
 
 
 class WorkerGroup:
-    def __init__(self, spec: dict[str, Any], num_workers: int, max_restarts: int = 3):
+    def __init__(self, spec: dict[str, Any], num_workers: int, max_restarts: int = 3,
+                 request_timeout_s: float = 3600.0):
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
         self.spec, self.max_restarts = spec, max_restarts
+        # a worker that has not answered its prompts after this long is hung: replaced
+        self.request_timeout_s = request_timeout_s
         self.workers = [RolloutWorker.remote(spec) for _ in range(num_workers)]
         self.version, self.restarts = 0, 0
         self.stash = None  # (version, [(meta, ref)]): buckets kept for replacements
         self._whole_ref = None  # the last whole-dict sync (`update_weights`), likewise
         self.stale: set[int] = set()  # replaced workers that do not serve `version` yet
         self.versions()  # wait until every engine is up
+        self.pids = ray.get([w.pid.remote() for w in self.workers])  # for messages about hangs
         self.weight_layout, self.weight_dtype = ray.get(self.workers[0].weight_spec.remote())
 
     def __repr__(self) -> str:
@@ -179,6 +184,7 @@ class WorkerGroup:
         except Exception:
             pass
         w = RolloutWorker.remote(self.spec)
+        self.pids[i] = ray.get(w.pid.remote())
         if self._whole_ref is not None:
             ray.get(w.update_weights.remote(self._whole_ref, self.version))
         elif self.stash is not None and self.stash[0] == self.version:
@@ -198,22 +204,46 @@ class WorkerGroup:
         chunks = [(lo, prompts[lo:hi]) for lo, hi in
                   ((len(prompts) * i // n, len(prompts) * (i + 1) // n) for i in range(n)) if hi > lo]
         results: dict[int, list[Rollout]] = {}
-        todo = [(c, live[c]) for c in range(len(chunks))]
-        while todo:
-            refs = {c: (w, self.workers[w].generate.remote(chunks[c][1], params)) for c, w in todo}
-            failed = []
-            for c, (w, ref) in refs.items():
+        pending: dict = {}  # ref -> (chunk, worker index, its actor, when sent)
+
+        def send(c: int, w: int) -> None:
+            actor = self.workers[w]
+            pending[actor.generate.remote(chunks[c][1], params)] = (c, w, actor, time.monotonic())
+
+        def replace(w: int, actor) -> None:
+            if self.workers[w] is actor:  # not already replaced for another of its chunks
+                self._replace(w)
+
+        for c in range(len(chunks)):
+            send(c, live[c])
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
+            retry = []
+            for ref in ready:
+                c, w, actor, _ = pending.pop(ref)
                 try:
                     results[c] = ray.get(ref)
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError,
                         ray.exceptions.WorkerCrashedError):
-                    self._replace(w)
-                    failed.append(c)
+                    replace(w, actor)
+                    retry.append(c)
+            now = time.monotonic()
+            for ref, (c, w, actor, sent) in list(pending.items()):
+                if now - sent > self.request_timeout_s:  # alive but not answering: hung
+                    del pending[ref]
+                    warn(f"rollout worker {w} (pid {self.pids[w]}) has not answered "
+                         f"{len(chunks[c][1])} prompts in {now - sent:.0f} s "
+                         "(rollout.request_timeout_s): replacing it and sending them again")
+                    replace(w, actor)
+                    retry.append(c)
+            if not retry:
+                continue
             live = [i for i in range(len(self.workers)) if i not in self.stale]
-            if failed and not live:
+            if not live:
                 raise RuntimeError(f"no rollout worker serves weights version {self.version} "
                                    "after the restarts (the collective transport keeps no copy)")
-            todo = [(c, live[k % len(live)]) for k, c in enumerate(failed)]
+            for k, c in enumerate(retry):
+                send(c, live[k % len(live)])
         out = []
         for c, (lo, _) in enumerate(chunks):
             for r in results[c]:

@@ -23,6 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from posttrain import faults
 from posttrain.errors import CheckpointError, UserError, warn
 
 
@@ -125,6 +126,7 @@ class Checkpointer:
                 params=ocp.args.StandardSave(params), train=ocp.args.StandardSave(train),
                 meta=ocp.args.JsonSave(meta)), force=force)
             self._pending = step
+        faults.point("checkpoint_write")  # the asynchronous write is in flight
 
     def restore(self, step: int, params_target: Any, train_target: Any) -> tuple[Any, Any, dict]:
         targets = {"params": flatten(params_target), "train": flatten(train_target)}

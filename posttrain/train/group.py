@@ -42,7 +42,7 @@ import numpy as np
 import ray
 
 from posttrain.config import RunConfig
-from posttrain.errors import ClusterError, UserError
+from posttrain.errors import ClusterError, UserError, warn
 from posttrain.models.config import ModelConfig
 
 # Fault injection for tests: the rank that never calls jax.distributed.initialize.
@@ -190,7 +190,9 @@ class TrainerGroup:
         """Every ref's value, in order (`ranks`: the rank behind each ref, default 0, 1, ...).
         The first rank that died or raised ends the wait (the others may be blocked in a
         collective with it): `ClusterError` naming the rank, or the rank's own `UserError`; a
-        timeout names the ranks still running. `joining`: a rank that fails while others have
+        timeout names the ranks still running; ranks still running after
+        `watchdog.warn_after_s` (and each doubling of it) are reported by name while the others
+        are done: a straggler or a rank stuck in a collective. `joining`: a rank that fails while others have
         not joined gave up waiting for them (JAX ends the process when initialize times
         out), so the error names those that never joined."""
         ranks = ranks or list(range(len(refs)))
@@ -198,10 +200,21 @@ class TrainerGroup:
         slot = {r: i for i, r in enumerate(refs)}
         out: list = [None] * len(refs)
         pending = list(refs)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        t0 = time.monotonic()
+        deadline = None if timeout_s is None else t0 + timeout_s
+        warn_at = self.cfg.watchdog.warn_after_s
         while pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            now = time.monotonic()
+            waits = ([deadline - now] if deadline is not None else []) + \
+                ([t0 + warn_at - now] if warn_at > 0 else [])
+            ready, pending = ray.wait(pending, num_returns=1,
+                                      timeout=max(0.0, min(waits)) if waits else None)
+            if not ready and (deadline is None or time.monotonic() < deadline):
+                warn(f"waiting {time.monotonic() - t0:.0f} s on "
+                     f"{', '.join(self._who(index[r]) for r in pending)} ({what}; "
+                     f"{len(refs) - len(pending)} of {len(refs)} ranks done)")
+                warn_at *= 2
+                continue
             if not ready:
                 late = sorted(index[r] for r in pending)
                 self.kill()

@@ -9,7 +9,6 @@ and the `loss_fn` they pass.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from converters.loading import hf_model_config, resolve_model_path, tokenizer_next_to
+from posttrain import faults, watchdog
 from posttrain.config import RunConfig
 from posttrain.data import generated
 from posttrain.data.dataset import Encoder, PackedBatches, load_rows
@@ -136,6 +136,7 @@ def train_language_model(cfg: RunConfig, run_dir: Path, loss_fn=next_token_loss)
     eval_batches = _eval_batches(cfg, tokenizer)
     trainer = make_trainer(cfg, run_dir, model_cfg, loss_fn)
     tracker = None
+    dog = watchdog.for_run(cfg, run_dir)
     last: dict = {}
     try:
         meta = trainer.restore()
@@ -144,7 +145,6 @@ def train_language_model(cfg: RunConfig, run_dir: Path, loss_fn=next_token_loss)
             data.restore(meta["data_state"])
             start = meta["step"]
         tracker = Tracker(cfg, run_dir, t.steps, start)
-        seen_path = run_dir / "data_order.jsonl"
         # Metrics of step k are fetched after step k+1 is dispatched, so the host prepares
         # the next batch while the device computes (no sync per step).
         pending: tuple | None = None
@@ -153,7 +153,8 @@ def train_language_model(cfg: RunConfig, run_dir: Path, loss_fn=next_token_loss)
         def flush(p):
             nonlocal t_prev, last
             step_no, fetch, n_tok, extra = p
-            m = fetch()
+            with dog.waiting(f"the update of step {step_no}"):
+                m = fetch()
             now = time.perf_counter()
             m.update(batch_tokens=n_tok, tokens_per_s=n_tok / max(now - t_prev, 1e-9), **extra)
             t_prev = now
@@ -162,26 +163,33 @@ def train_language_model(cfg: RunConfig, run_dir: Path, loss_fn=next_token_loss)
 
         feed = data.batches()
         for step in range(start, t.steps):
-            batch, row_ids, data_state = next(feed)
-            with seen_path.open("a") as f:
-                f.write(json.dumps({"step": step + 1, "rows": row_ids}) + "\n")
-            fetch = trainer.train_step(batch)
+            with dog.waiting(f"the data batch of step {step + 1}"):
+                batch, row_ids, data_state = next(feed)
+            tracker.log_rows(step + 1, row_ids)
+            with dog.waiting(f"the update of step {step + 1}"):
+                fetch = trainer.train_step(batch)
+            faults.point("step")
             if pending is not None:
                 flush(pending)
             extra = {}
             if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
-                extra["eval_loss"] = trainer.eval_loss(eval_batches)
+                with dog.waiting(f"evaluation at step {step + 1}"):
+                    faults.point("eval")
+                    extra["eval_loss"] = trainer.eval_loss(eval_batches)
             extra["skipped_rows"] = data_state["skipped"]
             pending = (step + 1, fetch, float((batch["segment_ids"] > 0).sum()), extra)
             if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 \
                     and step + 1 != t.steps:
-                trainer.save(step + 1, data_state)
+                with dog.waiting(f"checkpoint {step + 1}"):
+                    trainer.save(step + 1, data_state)
         if pending is not None:
             flush(pending)
-        if trainer.latest_step() != t.steps:
-            trainer.save(t.steps, data_state if t.steps > start else data.state())
-        trainer.wait()
+        with dog.waiting(f"the final checkpoint ({t.steps})"):
+            if trainer.latest_step() != t.steps:
+                trainer.save(t.steps, data_state if t.steps > start else data.state())
+            trainer.wait()
     finally:
+        dog.close()
         if tracker is not None:
             tracker.close()
         trainer.close()

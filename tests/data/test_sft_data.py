@@ -133,3 +133,20 @@ def test_a_jsonl_line_that_is_not_an_object_is_named(tmp_path):
     (tmp_path / "train.jsonl").write_text('{"text": "a"}\n[1, 2]\n')
     with pytest.raises(UserError, match=r"train.jsonl: line 2: expected a JSON object"):
         load_rows(str(tmp_path / "train.jsonl"), "train", DataSection(format="text"))
+
+
+def test_resume_at_an_epoch_boundary_starts_the_next_epoch(tok):
+    """A checkpoint taken exactly at the end of an epoch resumes into the next one (a peer's
+    resume there ran zero steps): the same batches as the iterator that never stopped."""
+    rows = generated.rows("text", "train", 8, 9, 0, 0.1, False)
+    data = DataSection(format="text", seq_len=32)
+    def it():
+        return PackedBatches(rows, Encoder(tok, data, "g"), 4, 32, seed=1, pack=False)
+    a = it()
+    first = [a.next_batch()[1] for _ in range(2)]  # two batches of 4: the whole epoch
+    st = a.state()
+    b = it()
+    b.restore(st)
+    assert sorted(sum(first, [])) == list(range(8))
+    assert [b.next_batch()[1] for _ in range(2)] == [a.next_batch()[1] for _ in range(2)]
+    assert b.state()["epoch"] >= 1

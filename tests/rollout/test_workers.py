@@ -102,3 +102,35 @@ def test_replaced_worker_sits_out_until_the_next_bucketed_sync(model_dir):
             solo.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8))
     finally:
         solo.shutdown()
+
+
+@pytest.mark.slow
+def test_a_hung_worker_is_replaced_and_its_prompts_sent_again(model_dir, capsys):
+    """A worker that stops answering without dying (SIGSTOP: Ray still sees a live actor, as
+    with a wedged kernel or a deadlock) is detected after `request_timeout_s`, killed and
+    replaced; its prompts go out again: every prompt answered once, the same greedy tokens."""
+    import os
+    import re
+    import signal
+
+    group = WorkerGroup(spec("jax", model_dir), num_workers=2)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=16)
+        want = group.generate(PROMPTS, greedy)  # both workers compiled: only the hang is slow
+        group.request_timeout_s = 5.0
+        hung = group.pids[0]
+        os.kill(hung, signal.SIGSTOP)
+        capsys.readouterr()
+        out = group.generate(PROMPTS, greedy)
+        warned = capsys.readouterr().err
+        assert group.restarts == 1 and group.pids[0] != hung
+        m = re.search(rf"rollout worker 0 \(pid {hung}\) has not answered 4 prompts in (\d+) s", warned)
+        assert m and 5 <= int(m.group(1)) <= 7, warned  # detected at the timeout (1 s polls)
+        assert [r.prompt_index for r in out] == list(range(8))  # none lost, none twice
+        assert [r.token_ids for r in out] == [r.token_ids for r in want]
+        with pytest.raises(ProcessLookupError):  # the hung process is gone, not left stopped
+            for _ in range(50):
+                os.kill(hung, 0)
+                time.sleep(0.1)
+    finally:
+        group.shutdown()

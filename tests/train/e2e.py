@@ -7,7 +7,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,23 +40,6 @@ def run(recipe: str, run_dir: Path, overrides: list[str], devices: int | None = 
     return r
 
 
-def run_killed_then_resumed(recipe: str, run_dir: Path, overrides: list[str], kill_after: int,
-                            total: int) -> int:
-    """Start the run, SIGKILL it once checkpoint `kill_after` is committed, start it again."""
-    p = subprocess.Popen(cmd(recipe, run_dir, overrides), cwd=ROOT, env=env(),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 600
-    while not (run_dir / "checkpoints" / str(kill_after)).is_dir() and time.time() < deadline \
-            and p.poll() is None:
-        time.sleep(0.05)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    killed_at = max(int(x.name) for x in (run_dir / "checkpoints").iterdir() if x.name.isdigit())
-    assert killed_at < total, "the run finished before it could be killed"
-    run(recipe, run_dir, overrides)
-    return killed_at
-
-
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -81,3 +64,105 @@ def assert_same_final_params(a: Path, b: Path) -> None:
     assert pa.keys() == pb.keys()
     for k in pa:
         np.testing.assert_array_equal(np.asarray(pa[k]), np.asarray(pb[k]), err_msg=k)
+
+
+# ---- crash safety: kill a run for real, restart it, compare (benchmarks/faults.py) ---------------
+@dataclass
+class Kill:
+    """One SIGKILL. `at`: a fault point of `posttrain.faults` (the run kills itself the `n`-th
+    time it reaches it) or "time" (killed from outside `n` seconds after it started). With
+    `corrupt`, the latest checkpoint is then damaged (bytes flipped in its largest parameter
+    file) before the restart, which must detect it and fall back to the one before."""
+
+    at: str
+    n: float = 1
+    corrupt: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.at}:{self.n:g}" + ("+corrupt" if self.corrupt else "")
+
+
+def latest_step(ckpt_dir: Path) -> int:
+    steps = [int(x.name) for x in ckpt_dir.iterdir() if x.name.isdigit()] if ckpt_dir.is_dir() else []
+    return max(steps, default=0)
+
+
+def corrupt_latest(ckpt_dir: Path) -> int:
+    step = latest_step(ckpt_dir)
+    f = max((p for p in (ckpt_dir / str(step) / "params").rglob("*") if p.is_file()),
+            key=lambda p: p.stat().st_size)
+    b = bytearray(f.read_bytes())
+    mid = len(b) // 2
+    b[mid:mid + 16] = bytes(x ^ 0xFF for x in b[mid:mid + 16])
+    f.write_bytes(bytes(b))
+    return step
+
+
+def faulted_run(recipe: str, run_dir: Path, overrides: list[str], kills: list[Kill],
+                stage: str | None = None, devices: int | None = None) -> list[dict]:
+    """Start the run; deliver `kills` one per start, restarting the same command after each;
+    then let it finish. `stage`: the stage whose checkpoints to watch (multi-stage recipes).
+    Returns one record per kill: delivered (the process died by SIGKILL, not by finishing
+    first), the checkpoint it had reached, and whether the restart warned of a fallback."""
+    from posttrain.faults import POINTS
+
+    ckpt_dir = (run_dir / stage if stage else run_dir) / "checkpoints"
+    records = []
+    for i, kill in enumerate(kills):
+        assert kill.at in POINTS + ("time",), kill
+        extra = {"POSTTRAIN_FAULT": f"{kill.at}:{int(kill.n)}"} if kill.at != "time" else {}
+        log = run_dir.parent / f"{run_dir.name}.start{i}.stderr"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with log.open("w") as err:
+            p = subprocess.Popen(cmd(recipe, run_dir, overrides), cwd=ROOT, env=env(devices, **extra),
+                                 stdout=subprocess.DEVNULL, stderr=err)
+            if kill.at == "time":
+                try:
+                    p.wait(timeout=kill.n)
+                except subprocess.TimeoutExpired:
+                    p.send_signal(signal.SIGKILL)
+            rc = p.wait(timeout=900)
+        text = log.read_text()
+        assert rc in (0, -signal.SIGKILL), f"start {i} ({kill}) exited {rc}:\n{text[-4000:]}"
+        rec = {"kill": str(kill), "delivered": rc == -signal.SIGKILL, "checkpoint": latest_step(ckpt_dir),
+               "fell_back": "falling back to step" in text}
+        if rc == 0:  # finished before the kill: nothing more to inject
+            records.append(rec)
+            break
+        if kill.corrupt:  # only with an older checkpoint to fall back to (else: an error, by design)
+            complete = [x for x in ckpt_dir.iterdir() if x.name.isdigit()] if ckpt_dir.is_dir() else []
+            if len(complete) >= 2:
+                rec["corrupted"] = corrupt_latest(ckpt_dir)
+        records.append(rec)
+    r = run(recipe, run_dir, overrides, devices=devices)
+    if records and records[-1].get("corrupted"):
+        assert "falling back to step" in r.stderr, r.stderr[-3000:]
+        records[-1]["fell_back"] = True
+    return records
+
+
+def per_step(run_dir: Path, keys: tuple[str, ...]) -> dict[int, tuple]:
+    """The last logged value of `keys` at every step (a step replayed after a resume is
+    logged again; the replay is what the run kept)."""
+    out = {}
+    for row in metrics(run_dir):
+        if any(k in row for k in keys):
+            out[row["step"]] = tuple(row.get(k) for k in keys)
+    return out
+
+
+def compare_runs(ref: Path, got: Path, keys: tuple[str, ...], exact: bool = True) -> dict:
+    """`exact` (synchronous runs): final parameters bitwise, the same rows at every step,
+    the same per-step `keys`. Otherwise (one-step off-policy RL, whose resumed batch is
+    regenerated with restored weights) the same prompts at every step: none skipped or
+    repeated. Returns what held; raises AssertionError on what did not."""
+    order_ref, order_got = data_order(ref), data_order(got)
+    assert order_ref == order_got, "data order differs: rows skipped, repeated or reordered"
+    flat_ref = sorted(r for rows in order_ref.values() for r in rows)
+    assert flat_ref == sorted(r for rows in order_got.values() for r in rows)
+    out = {"steps": len(order_ref), "same_data_order": True}
+    if exact:
+        assert_same_final_params(ref, got)
+        assert per_step(ref, keys) == per_step(got, keys), "per-step metrics differ"
+        out.update(bitwise_params=True, same_metrics=True)
+    return out
