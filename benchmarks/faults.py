@@ -1,7 +1,7 @@
 """Crash safety, measured: SIGKILL real runs at random moments, restart the same command until
 it finishes, and compare with an uninterrupted run of the same recipe.
 
-    python -m benchmarks.faults                         # the full count: 21 kills, 4 recipe kinds
+    python -m benchmarks.faults                         # the full count: 22 kills, 4 recipe kinds
     python -m benchmarks.faults --kinds pretrain,sft --seed 3 --kills-per-run 2
     python -m benchmarks.faults --json faults.json
 
@@ -75,7 +75,7 @@ KINDS = {
                  ("reward_mean", "loss"), stage="grpo"),
     "grpo_async": Kind(GRPO_RECIPE, GRPO + ["stages.1.async.off_policy_steps=1"],
                        ("step", "checkpoint_write", "weight_sync", "reward"), ("reward_mean",),
-                       exact=False, stage="grpo", kills=2),
+                       exact=False, stage="grpo", kills=3),
 }
 
 
@@ -146,8 +146,8 @@ def main(argv=None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"\n| recipe kind | runs | kills injected | delivered | + corrupt checkpoint | recovered"
-          f" | identical | lost | rule |\n|---|---|---|---|---|---|---|---|---|")
+    print("\n| recipe kind | runs | kills injected | delivered | + corrupt checkpoint | recovered"
+          " | identical | lost | rule |\n|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['kind']} | {len(r['runs'])} | {r['kills']} | {r['delivered']} | {r['corrupted']}"
               f" | {r['recovered']}/{len(r['runs'])} | {r['identical']}/{len(r['runs'])}"

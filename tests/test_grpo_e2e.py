@@ -136,15 +136,25 @@ def test_grpo_killed_twice_with_a_hung_reward_resumes_bitwise(base, tmp_path):
 def test_async_grpo_killed_mid_generation_skips_and_repeats_no_prompt(base, tmp_path):
     """One-step off-policy: killed while the background thread scores batch 4 (generated
     during step 3's update); the resumed run regenerates it with the restored weights, so it
-    is not bitwise, but every step trains on the same prompts as the uninterrupted run."""
+    is not bitwise, but every step trains on the prompts of the seeded schedule, the one an
+    uninterrupted run follows (computed here from the recipe, no second run needed)."""
+    from posttrain.config import load_recipe
+    from posttrain.rollouts import PromptIterator, prompt_rows
+    from tests.train.e2e import data_order
+
     over = RESUME + EPOCH_CHECKPOINTS + ["stages.1.async.off_policy_steps=1"]
-    a = with_base(base, tmp_path / "a")
-    run(RECIPE, a, over)
     b = with_base(base, tmp_path / "b")
     # reward hits: dry run, the step-0 evaluation, batches 1, 2, 3, then 4 (in the background)
     rec = faulted_run(RECIPE, b, over, [Kill("reward", 6)], stage="grpo")
     assert [(r["delivered"], r["checkpoint"]) for r in rec] == [(True, 2)], rec
-    assert compare_runs(a / "grpo", b / "grpo", ("reward_mean",), exact=False)["steps"] == 8
+    cfg = load_recipe(RECIPE, [*over, f"run_dir={b}"])[1]
+    schedule = PromptIterator(prompt_rows(cfg, "train"), cfg.data.shuffle_seed)
+    want = {}
+    for step in range(1, 9):
+        schedule.take(cfg.grpo.prompts_per_step)
+        want[step] = schedule.last_ids
+    assert data_order(b / "grpo") == want  # none skipped, none repeated, across two epochs
+    assert len(metrics(b / "grpo")) >= 9
 
 
 @pytest.mark.slow
