@@ -210,9 +210,12 @@ class WorkerGroup:
             actor = self.workers[w]
             pending[actor.generate.remote(chunks[c][1], params)] = (c, w, actor, time.monotonic())
 
+        fresh: set[int] = set()  # replaced during this call: still starting, not compiled
+
         def replace(w: int, actor) -> None:
             if self.workers[w] is actor:  # not already replaced for another of its chunks
                 self._replace(w)
+                fresh.add(w)
 
         for c in range(len(chunks)):
             send(c, live[c])
@@ -242,8 +245,11 @@ class WorkerGroup:
             if not live:
                 raise RuntimeError(f"no rollout worker serves weights version {self.version} "
                                    "after the restarts (the collective transport keeps no copy)")
+            # resend to warm workers first: a replacement's first call includes its compile
+            # and would count against request_timeout_s
+            warm = [i for i in live if i not in fresh] or live
             for k, c in enumerate(retry):
-                send(c, live[k % len(live)])
+                send(c, warm[k % len(warm)])
         out = []
         for c, (lo, _) in enumerate(chunks):
             for r in results[c]:

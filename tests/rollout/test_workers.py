@@ -123,14 +123,32 @@ def test_a_hung_worker_is_replaced_and_its_prompts_sent_again(model_dir, capsys)
         capsys.readouterr()
         out = group.generate(PROMPTS, greedy)
         warned = capsys.readouterr().err
-        assert group.restarts == 1 and group.pids[0] != hung
+        assert group.restarts == 1 and group.pids[0] != hung, (group.restarts, warned)
         m = re.search(rf"rollout worker 0 \(pid {hung}\) has not answered 4 prompts in (\d+) s", warned)
-        assert m and 5 <= int(m.group(1)) <= 7, warned  # detected at the timeout (1 s polls)
+        # detected at the timeout: 1 s polls, plus slack for a loaded machine
+        assert m and 5 <= int(m.group(1)) <= 10, warned
         assert [r.prompt_index for r in out] == list(range(8))  # none lost, none twice
         assert [r.token_ids for r in out] == [r.token_ids for r in want]
-        with pytest.raises(ProcessLookupError):  # the hung process is gone, not left stopped
-            for _ in range(50):
-                os.kill(hung, 0)
-                time.sleep(0.1)
+        assert _gone(hung, 60), f"the hung worker {hung} was left running"
     finally:
+        try:
+            os.kill(hung, signal.SIGCONT)
+        except (ProcessLookupError, UnboundLocalError):
+            pass
         group.shutdown()
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    """The process has exited (a zombie not yet reaped counts: it runs nothing)."""
+    from pathlib import Path
+
+    deadline = time.time() + within_s
+    while time.time() < deadline:
+        status = Path(f"/proc/{pid}/status")
+        try:
+            if "State:\tZ" in status.read_text():
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.2)
+    return False
