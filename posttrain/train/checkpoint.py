@@ -12,7 +12,12 @@ Saves are asynchronous (training continues while the previous step is written), 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import os
+import re
+import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -187,8 +192,6 @@ class Checkpointer:
         return None
 
     def _move_aside(self, step: int) -> Path:
-        import time
-
         src = self.directory / str(step)
         dst = self.directory / f"corrupt-{step}-{time.strftime('%Y%m%d-%H%M%S')}"
         if jax.process_index() == 0 and src.exists():
@@ -220,9 +223,6 @@ class Checkpointer:
             reason = _os_reason(e)
             if reason is None:
                 raise
-            import re
-            import shutil
-
             failed = re.search(r"/(\d+)\.orbax-checkpoint-tmp", _chain_text(e))
             step = int(failed.group(1)) if failed else step
             if jax.process_index() == 0:  # the partial write only holds the space it took
@@ -238,8 +238,6 @@ class Checkpointer:
 def _short_reason(e: BaseException) -> str:
     """One readable line for why a restore failed: TensorStore's status line (OUT_OF_RANGE,
     NOT_FOUND, ...) from anywhere in the exception chain if there is one, without its spec."""
-    import re
-
     chain = _chain(e)
     lines = [str(x).strip().splitlines()[0] for x in chain if str(x).strip()]
     status = [ln for ln in lines if re.match(r"[A-Z_]{5,}: ", ln)]
@@ -263,15 +261,12 @@ def _chain_text(e: BaseException) -> str:
 def _os_reason(e: BaseException) -> str | None:
     """The OS error behind an exception from Orbax/TensorStore (they wrap it in their own
     types, sometimes only in the message), or None if it is not one."""
-    import errno
-    import os as _os
-
     for x in _chain(e):
         if isinstance(x, OSError) and x.errno:
-            return f"{_os.strerror(x.errno)} ({errno.errorcode.get(x.errno, x.errno)})"
+            return f"{os.strerror(x.errno)} ({errno.errorcode.get(x.errno, x.errno)})"
         for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EIO):
-            if _os.strerror(code) in str(x):
-                return f"{_os.strerror(code)} ({errno.errorcode[code]})"
+            if os.strerror(code) in str(x):
+                return f"{os.strerror(code)} ({errno.errorcode[code]})"
     return None
 
 
