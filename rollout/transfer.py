@@ -72,13 +72,15 @@ class BucketMeta:
     tensors: tuple[TensorMeta, ...]
 
 
-def plan_buckets(specs: list[tuple[str, tuple[int, ...], str]], bucket_bytes: int) -> list[BucketMeta]:
+def plan_buckets(specs: list[tuple[str, tuple[int, ...], str]], bucket_bytes: int,
+                 align: int = ALIGN) -> list[BucketMeta]:
     """Greedy, in the order given: a bucket closes before the tensor that would overflow it; a
-    tensor larger than `bucket_bytes` travels alone."""
+    tensor larger than `bucket_bytes` travels alone. Each tensor starts at a multiple of
+    `align` bytes (1: back to back, vLLM's packed IPC layout)."""
     buckets, cur, size = [], [], 0
     for name, shape, dtype in specs:
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        start = -(-size // ALIGN) * ALIGN
+        start = -(-size // align) * align
         if cur and start + nbytes > bucket_bytes:
             buckets.append(BucketMeta(len(buckets), size, tuple(cur)))
             cur, start = [], 0
@@ -101,15 +103,15 @@ class Exporter:
 
     def __init__(self, state: nnx.State, cfg: ModelConfig, *, layout: str = "hf",
                  dtype: str | None = None, lora_scale: float | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, align: int = ALIGN):
         if layout not in LAYOUTS:
             raise ValueError(f"layout {layout!r}: one of {LAYOUTS}")
-        self.cfg, self.layout = cfg, layout
+        self.cfg, self.layout, self.bucket_bytes = cfg, layout, bucket_bytes
         self.params = EffectiveParams(state, lora_scale)
         self.sources = {n: our_path(cfg, n) for n in hf_tensor_names(cfg)}
         cast = None if dtype in (None, "auto") else jnp.dtype(dtype)  # bfloat16 via ml_dtypes
         self.plan = plan_buckets([(n, self._shape(n), cast or self.params.dtype(src[0]))
-                                  for n, src in self.sources.items()], bucket_bytes)
+                                  for n, src in self.sources.items()], bucket_bytes, align)
         self.nbytes = sum(b.nbytes for b in self.plan)
         # views of the trainer's buffers only: nothing computed, nothing cast
         self.views_only = self.params.plain and all(
@@ -400,17 +402,36 @@ def _free_address() -> tuple[str, int]:
 
 
 TRANSPORTS = {"in_process": InProcess, "object_store": ObjectStore, "collective": Collective}
+VLLM_TRANSPORTS = ("vllm_ipc", "vllm_nccl")  # vLLM's own engines: rollout.vllm_transfer
 
 
 def make_transport(name: str, target, timeout_s: float = 600.0) -> Transport:
-    """`name`: a key of TRANSPORTS or `auto` (in-process for an engine in this process, the
-    object store for Ray workers)."""
+    """`name`: a key of TRANSPORTS, one of VLLM_TRANSPORTS, or `auto`: the transport the engine
+    was built for (`weight_transfer`: a vLLM engine whose model lives in processes of its own),
+    else in-process for an engine in this process and the object store for Ray workers."""
     from rollout.worker import WorkerGroup
 
     remote = isinstance(target, WorkerGroup)
     if name == "auto":
-        name = "object_store" if remote else "in_process"
+        built = getattr(target, "weight_transfer", None)
+        name = f"vllm_{built}" if built else "object_store" if remote else "in_process"
+    if name in VLLM_TRANSPORTS:
+        from rollout import vllm_transfer
+
+        built = getattr(target, "weight_transfer", None)
+        if built != name.removeprefix("vllm_"):
+            raise ValueError(f"transport {name!r}: the engine was not built with vLLM's "
+                             f"{name.removeprefix('vllm_')!r} weight-transfer engine "
+                             f"(weight_transfer={built!r})")
+        if name == "vllm_ipc" and remote:
+            raise ValueError("transport 'vllm_ipc' reaches a vLLM engine on the trainer's own "
+                             "GPUs (colocated), not Ray workers: use vllm_nccl")
+        return vllm_transfer.VllmIPC(target) if name == "vllm_ipc" else vllm_transfer.VllmNCCL(target)
     if remote == (name == "in_process"):
         where = "Ray workers" if remote else "an engine in the trainer's process"
         raise ValueError(f"transport {name!r} cannot reach {where}")
+    if getattr(target, "weight_transfer", None):
+        raise ValueError(f"transport {name!r}: this vLLM engine runs its model in processes of "
+                         f"its own and takes weights through vLLM's weight-transfer engine: use "
+                         f"vllm_{target.weight_transfer} (or auto)")
     return Collective(target, timeout_s) if name == "collective" else TRANSPORTS[name](target)

@@ -3,9 +3,11 @@
 The engine is a `vllm.LLM` over an HF directory (ours: `converters.export.save_hf`). After an
 update, new tensors go straight into the loaded model through
 `llm.collective_rpc(lambda worker: worker.model_runner.reload_weights(weights_iterator=...))`
--- never a reload from disk -- then the prefix cache is reset so no stale KV is reused. On GPUs
-with the trainer in another process, vLLM's own weight-transfer engines (NCCL / IPC) take this
-role.
+-- never a reload from disk -- then the prefix cache is reset so no stale KV is reused. Built with
+`weight_transfer="ipc" | "nccl"`, the engine instead runs its model in worker processes of its
+own (vLLM's engine core and executor: how it runs on GPUs, tensor parallel included) and takes
+weights through vLLM's weight-transfer engine of that name (`rollout.vllm_transfer`);
+`sleep` / `wake_up` free its GPU memory during the trainer's update.
 
 Log-probs follow the call's semantics (`SamplingParams.logprobs`), and each token carries the
 kept count (how many tokens top-k / top-p left) that the trainer replays. vLLM's own
@@ -36,15 +38,29 @@ class VllmEngine:
     def __init__(self, model_dir: str, *, dtype: str = "float32", gpu_memory_utilization: float = 0.15,
                  tensor_parallel_size: int = 1, max_model_len: int | None = None, seed: int = 0,
                  version: int = 0, enforce_eager: bool = False,
-                 enable_expert_parallel: bool = False):
+                 enable_expert_parallel: bool = False, weight_transfer: str | None = None,
+                 enable_sleep_mode: bool = False):
         from vllm import LLM
 
+        extra = {"enable_expert_parallel": True} if enable_expert_parallel else {}
+        if weight_transfer is not None:
+            from rollout.vllm_transfer import require_weight_transfer
+
+            require_weight_transfer()
+            # the model in processes of vLLM's own; the sampler wrap below and the CPU refresh
+            # after a transfer reach them as functions through collective_rpc
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+            extra["weight_transfer_config"] = {"backend": weight_transfer}
+        if enable_sleep_mode:
+            extra["enable_sleep_mode"] = True
         self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed,
                        gpu_memory_utilization=gpu_memory_utilization,
                        tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
                        logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
-                       enable_prefix_caching=True,
-                       **({"enable_expert_parallel": True} if enable_expert_parallel else {}))
+                       enable_prefix_caching=True, **extra)
+        self.weight_transfer, self.tensor_parallel_size = weight_transfer, tensor_parallel_size
+        self.asleep = False
         self.tokenizer = self.llm.get_tokenizer()
         self.version = version
         # probe gap still meaning "same weights": fp32, other kernels than the trainer's (1e-3,
@@ -115,6 +131,36 @@ class VllmEngine:
         with torch.no_grad():
             self.llm.collective_rpc(_finish_reload)
         return self._serve(version)
+
+    # ---- vLLM's weight-transfer engine (`rollout.vllm_transfer`): its four calls ----
+    def init_transfer(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_transfer(self) -> None:
+        self._digest = None  # vLLM's engines do not hash what they load; the probe checks
+        self.llm.start_weight_update()
+
+    def update_transfer(self, update_info: dict) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_transfer(self, version: int) -> str | None:
+        self.llm.finish_weight_update(str(version))
+        self.llm.collective_rpc(_after_reload)
+        return self._serve(version)
+
+    # ---- sleep mode: the engine's GPU memory freed while the trainer updates ----
+    def sleep(self, level: int) -> None:
+        """Level 1: weights offloaded to host memory, KV cache dropped; level 2: both dropped
+        (the next sync rewrites every weight anyway). Until `wake_up` and a sync proven by the
+        probe, the engine serves nothing."""
+        self.llm.sleep(level=level)
+        self.asleep = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """`tags`: ["weights"] first (then sync), ["kv_cache"] after; None: both."""
+        self.llm.wake_up(tags=tags)
+        self.asleep = tags is not None and "kv_cache" not in tags
+        self.llm.reset_prefix_cache()
 
     def _serve(self, version: int) -> str | None:
         self.llm.reset_prefix_cache()  # no KV computed with the old weights is reused
@@ -248,9 +294,18 @@ def _finish_reload(worker) -> None:
 
     runner = worker.model_runner
     finalize_layerwise_reload(runner.get_model(), runner.model_config)
-    _refresh_embedding_gemms(runner.get_model())
-    _refresh_moe_prepack(runner.get_model())
+    _after_reload(worker)
     runner.reset_lora_state()  # what vLLM's own reload_weights resets after loading
+
+
+def _after_reload(worker) -> None:
+    """What vLLM's layerwise reload leaves undone on CPU (nothing to do on GPUs)."""
+    import torch
+
+    model = worker.model_runner.get_model()
+    if next(model.parameters()).device == torch.device("cpu"):
+        _refresh_embedding_gemms(model)
+        _refresh_moe_prepack(model)
 
 
 def _refresh_embedding_gemms(model) -> None:

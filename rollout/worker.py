@@ -112,6 +112,14 @@ class RolloutWorker:
     def last_digest(self) -> str | None:
         return getattr(self.engine, "last_digest", None)
 
+    def vllm_transfer(self, method: str, *args):
+        """One of the vLLM engine's weight-transfer calls (`rollout.vllm_transfer`)."""
+        return getattr(self.engine, method)(*args)
+
+    def call(self, fn, *args):
+        """`fn(engine, *args)` here (CPU stand-ins for CUDA-only calls; diagnostics)."""
+        return fn(self.engine, *args)
+
 
 class WorkerGroup:
     def __init__(self, spec: dict[str, Any], num_workers: int, max_restarts: int = 3,
@@ -121,7 +129,12 @@ class WorkerGroup:
         self.spec, self.max_restarts = spec, max_restarts
         # a worker that has not answered its prompts after this long is hung: replaced
         self.request_timeout_s = request_timeout_s
-        self.workers = [RolloutWorker.remote(spec) for _ in range(num_workers)]
+        vspec = spec.get("vllm", {}) if spec["kind"] == "vllm" else {}
+        self.tensor_parallel_size = vspec.get("tensor_parallel_size", 1)
+        self.weight_transfer = vspec.get("weight_transfer")
+        # GPUs: each worker is one vLLM deployment over its tensor-parallel GPUs
+        self._actor = RolloutWorker.options(num_gpus=spec.get("num_gpus", 0))
+        self.workers = [self._actor.remote(spec) for _ in range(num_workers)]
         self.version, self.restarts = 0, 0
         self.stash = None  # (version, [(meta, ref)]): buckets kept for replacements
         self._whole_ref = None  # the last whole-dict sync (`update_weights`), likewise
@@ -183,7 +196,7 @@ class WorkerGroup:
             ray.kill(self.workers[i])
         except Exception:
             pass
-        w = RolloutWorker.remote(self.spec)
+        w = self._actor.remote(self.spec)
         self.pids[i] = ray.get(w.pid.remote())
         if self._whole_ref is not None:
             ray.get(w.update_weights.remote(self._whole_ref, self.version))
