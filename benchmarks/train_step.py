@@ -23,12 +23,12 @@ from posttrain.models import build_model
 from posttrain.train.step import TrainState, make_train_step, next_token_loss
 
 
-def make_batch(batch=16, seq=256, seed=0):
+def make_batch(batch=16, seq=256, seed=0, vocab=REFERENCE.vocab_size):
     rng = np.random.default_rng(seed)
     examples = []
     while sum(len(e[0]) for e in examples) < batch * seq * 1.2:
         n = int(rng.integers(16, 40))
-        ids = rng.integers(3, REFERENCE.vocab_size, n).tolist()
+        ids = rng.integers(3, vocab, n).tolist()
         examples.append((ids, [1] * n))
     b, _ = pack_rows(examples, batch, seq)
     return jax.tree.map(jnp.asarray, b)

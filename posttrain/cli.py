@@ -37,11 +37,12 @@ def recipes_and_overrides(args: argparse.Namespace) -> tuple[list[str], list[str
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from posttrain.config import check_recipe, load_recipe
+    from posttrain.config import apply_memory_split, check_recipe, load_recipe
     from posttrain.runner import run_stages
 
     (recipe,), overrides = recipes_and_overrides(args)
     stages = load_recipe(recipe, overrides)
+    apply_memory_split(stages)  # before JAX starts
     import jax
 
     check_recipe(stages, jax.device_count())

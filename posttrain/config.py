@@ -271,6 +271,10 @@ class GRPOSection(Strict):
                 self.clip_high if self.clip_high is not None else hi)
 
 
+GPU_SHARE = 0.95  # of a GPU's memory, JAX's pool and vLLM's together; the rest: CUDA contexts,
+# vLLM's torch allocations outside its budget, the weight-sync staging buffers
+
+
 class RolloutSection(Strict):
     engine: Literal["jax", "vllm"] = "jax"
     placement: Literal["colocated", "disaggregated"] = "colocated"
@@ -285,11 +289,25 @@ class RolloutSection(Strict):
     probe: bool = Field(True, description="after every weight sync each engine scores a fixed "
                         "probe; a log-prob gap to the trainer beyond the engine's tolerance "
                         "stops the run (stale or wrong weights)")
-    transport: Literal["auto", "in_process", "object_store", "collective"] = Field(
-        "auto", description="how weights reach the engines: in_process (colocated), "
-        "object_store (Ray workers: bucket by bucket through Ray's object store, pipelined), "
-        "collective (Ray workers: gloo broadcast from the trainer); auto: in_process when "
-        "colocated, object_store otherwise")
+    transport: Literal["auto", "in_process", "object_store", "collective", "vllm_ipc",
+                       "vllm_nccl"] = Field(
+        "auto", description="how weights reach the engines: in_process (colocated, the engine's "
+        "model in the trainer's process), object_store (Ray workers: bucket by bucket through "
+        "Ray's object store, pipelined), collective (Ray workers: gloo broadcast from the "
+        "trainer), vllm_ipc (vLLM colocated on the trainer's GPUs in processes of its own, any "
+        "tensor-parallel size: CUDA IPC through vLLM's IPC engine), vllm_nccl (vLLM on other "
+        "GPUs or nodes: vLLM's NCCL engine); auto: vllm_ipc for colocated vLLM on GPUs, "
+        "in_process for other colocated engines, vllm_nccl for vLLM workers on GPUs, "
+        "object_store otherwise")
+    sleep_level: int = Field(0, ge=0, le=2, description="colocated vLLM on GPUs: free its memory "
+                             "during the trainer's update (1: weights to host memory, KV cache "
+                             "dropped; 2: both dropped, the sync rewrites them); every wake is "
+                             "followed by a sync and the probe check. Helps only a trainer whose "
+                             "allocator can take the memory (XLA_PYTHON_CLIENT_ALLOCATOR=platform "
+                             "or PREALLOCATE=false); JAX's default pool is fixed at start")
+    gpus_per_worker: float | None = Field(None, ge=0, description="disaggregated vLLM on GPUs: "
+                                          "Ray GPUs per worker (default tensor_parallel_size "
+                                          "when the trainer is on GPUs)")
     bucket_mb: int = Field(256, gt=0, description="weight sync bucket size (MiB): the trainer "
                            "holds at most about two buckets of exported weights at a time")
     request_timeout_s: float = Field(3600.0, gt=0, description="disaggregated: a worker that "
@@ -301,11 +319,49 @@ class RolloutSection(Strict):
     @model_validator(mode="after")
     def _transport_reaches_engines(self):
         remote = self.placement == "disaggregated"
+        if self.transport.startswith("vllm_"):
+            if self.engine != "vllm":
+                raise ValueError(f"transport {self.transport!r} is vLLM's weight-transfer engine; "
+                                 f"engine is {self.engine!r}")
+            if remote != (self.transport == "vllm_nccl"):
+                reaches = ("vLLM on the trainer's own GPUs (colocated)" if self.transport ==
+                           "vllm_ipc" else "vLLM on other GPUs or nodes (disaggregated)")
+                raise ValueError(f"transport {self.transport!r} reaches {reaches}, not placement "
+                                 f"{self.placement!r}; use {'vllm_nccl' if remote else 'vllm_ipc'}")
+            return self._check_sleep()
+        if self.engine == "vllm" and not remote and self.tensor_parallel_size > 1 and \
+                self.transport == "in_process":
+            raise ValueError("transport 'in_process' cannot reach a colocated vLLM engine with "
+                             f"tensor_parallel_size {self.tensor_parallel_size}: its tensor-"
+                             "parallel ranks are processes of their own; use vllm_ipc (or auto)")
         if self.transport != "auto" and remote == (self.transport == "in_process"):
             raise ValueError(f"transport {self.transport!r} cannot reach "
                              f"{'Ray workers' if remote else 'colocated engines'} "
                              f"(placement {self.placement!r}); use auto")
+        return self._check_sleep()
+
+    def _check_sleep(self):
+        if self.sleep_level:
+            if self.engine != "vllm" or self.placement != "colocated":
+                raise ValueError("sleep_level: only a colocated vLLM engine sleeps during the "
+                                 f"update (engine {self.engine!r}, placement {self.placement!r})")
+            if not self.probe:
+                raise ValueError("sleep_level needs probe: true (an engine that woke with "
+                                 "weights other than the trainer's must be caught)")
         return self
+
+    def weight_transfer(self, platform: str) -> str | None:
+        """vLLM's weight-transfer backend the engine is built with ("ipc" / "nccl"), given the
+        trainer's platform ("gpu", "cpu", "tpu"); None: weights reach it another way."""
+        if self.engine != "vllm":
+            return None
+        if self.transport.startswith("vllm_"):
+            return self.transport.removeprefix("vllm_")
+        if self.transport == "auto" and platform == "gpu":
+            return "ipc" if self.placement == "colocated" else "nccl"
+        if self.transport == "auto" and self.placement == "colocated" and self.tensor_parallel_size > 1:
+            return "ipc"
+        return None
 
 
 class EvalSection(Strict):
@@ -349,6 +405,11 @@ class TrainerSection(Strict):
         "(STRICT_SPREAD: one per node)")
     init_timeout_s: float = Field(300.0, gt=0, description="how long the group waits for its "
                                   "actors to be placed and every host to join jax.distributed")
+    memory_fraction: float | None = Field(None, gt=0, lt=1, description="GPUs: the share of each "
+                                          "GPU's memory JAX preallocates for the trainer "
+                                          "(XLA_PYTHON_CLIENT_MEM_FRACTION); default: JAX's 0.75, "
+                                          "or beside a colocated vLLM engine 0.95 minus its "
+                                          "rollout.gpu_memory_utilization")
 
     @property
     def resolved_platform(self) -> str:
@@ -392,6 +453,32 @@ class RunConfig(Strict):
                 raise ValueError(f"rollout.transport {r.transport!r}: a trainer group sends "
                                  "weights through the object store (auto or object_store)")
         return self
+
+    @model_validator(mode="after")
+    def _memory_split(self) -> "RunConfig":
+        r = self.rollout
+        if r.sleep_level and self.async_.off_policy_steps:
+            raise ValueError("rollout.sleep_level: the engine generates the next batch during "
+                             "the update when async.off_policy_steps is 1; it cannot sleep then")
+        if self.algorithm != "grpo" or r.engine != "vllm" or r.placement != "colocated":
+            return self
+        total = self.memory_fraction() + r.gpu_memory_utilization
+        if total > GPU_SHARE + 1e-9:
+            raise ValueError(
+                f"trainer.memory_fraction ({self.memory_fraction():g}) + "
+                f"rollout.gpu_memory_utilization ({r.gpu_memory_utilization:g}) = {total:.2f} of "
+                f"each GPU: more than {GPU_SHARE} (the rest holds both processes' CUDA contexts "
+                "and the weight-sync staging buffers); lower one of them")
+        return self
+
+    def memory_fraction(self) -> float:
+        """The share of each GPU JAX preallocates for the trainer (see trainer.memory_fraction)."""
+        if self.trainer.memory_fraction is not None:
+            return self.trainer.memory_fraction
+        r = self.rollout
+        if self.algorithm == "grpo" and r.engine == "vllm" and r.placement == "colocated":
+            return round(GPU_SHARE - r.gpu_memory_utilization, 4)
+        return 0.75
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)
@@ -625,6 +712,8 @@ def cross_check(cfg: RunConfig, num_devices: int, *, produced_by_earlier_stage: 
         if g.max_tokens >= cfg.data.seq_len:
             raise UserError(f"{prefix}data.seq_len: {cfg.data.seq_len} must exceed grpo.max_tokens "
                             f"({g.max_tokens}) plus the prompt")
+    if cfg.algorithm == "grpo":
+        check_rollout_devices(cfg, num_devices, prefix)
     if cfg.model.lora.rank and cfg.model.quantization == "int8":
         raise UserError(f"{prefix}model.quantization: int8 QAT and LoRA do not combine; for a "
                         "frozen int8 base use model.lora.int8_base: true")
@@ -635,6 +724,51 @@ def _looks_like_path(value: str) -> bool:
     """Hub ids (org/name) are not local paths; anything with a suffix, ./ or / prefix is."""
     return value.startswith(("/", "./", "../", "~")) or Path(value).suffix != "" or \
         value.count("/") != 1
+
+
+def apply_memory_split(stages: list[RunConfig]) -> None:
+    """Before JAX starts: the share of each GPU it preallocates (XLA_PYTHON_CLIENT_MEM_FRACTION),
+    the smallest any stage asks for (one JAX process runs them all). A recipe's
+    trainer.memory_fraction wins over the environment; the default beside a colocated vLLM
+    engine (0.95 minus its share) applies only where the environment sets nothing."""
+    import os
+
+    explicit = [c.trainer.memory_fraction for c in stages if c.trainer.memory_fraction is not None]
+    if explicit:
+        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{min(explicit):g}"
+        return
+    shared = [c.memory_fraction() for c in stages if c.algorithm == "grpo"
+              and c.rollout.engine == "vllm" and c.rollout.placement == "colocated"]
+    if shared:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{min(shared):g}")
+
+
+GPU_KINDS = ("h100", "h200", "a100", "b200", "mi300x")
+
+
+def check_rollout_devices(cfg: RunConfig, num_devices: int, prefix: str = "") -> None:
+    """The rollout engine against the devices: placement, tensor parallel size, transport and
+    the device kind (`plan.accelerator`) must go together."""
+    r, kind = cfg.rollout, cfg.plan.accelerator
+    if r.engine != "vllm":
+        return
+    gpu = kind in GPU_KINDS
+    if r.transport.startswith("vllm_") and not gpu:
+        raise UserError(f"{prefix}rollout.transport: {r.transport} moves weights between GPUs "
+                        f"(CUDA IPC / NCCL); plan.accelerator is {kind!r}")
+    if kind in ("v4", "v5e", "v5p", "v6e") and r.placement == "colocated":
+        raise UserError(f"{prefix}rollout.engine: vllm colocated with a JAX trainer on TPU "
+                        f"({kind}) is not supported (vLLM's TPU backend holds the chips "
+                        "itself); use engine: jax, or placement: disaggregated on devices of "
+                        "its own")
+    if r.placement == "colocated" and r.tensor_parallel_size > num_devices:
+        raise UserError(f"{prefix}rollout.tensor_parallel_size: {r.tensor_parallel_size} ranks "
+                        f"of a colocated vLLM engine need as many of the trainer's devices; "
+                        f"the mesh has {num_devices}")
+    if gpu and r.placement == "colocated" and r.transport == "in_process":
+        raise UserError(f"{prefix}rollout.transport: in_process hands vLLM views of the JAX "
+                        "buffers in the trainer's process; on GPUs vLLM's model lives in "
+                        "processes of its own: use vllm_ipc (or auto)")
 
 
 def named_devices(cfg: RunConfig) -> int | None:

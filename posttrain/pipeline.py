@@ -52,6 +52,24 @@ from posttrain.train.loop import prepare_tokenizer, resolve_model_config
 from posttrain.train.trainer import make_trainer
 
 
+def sync_engine(engine, trainer, model_cfg, version: int, sleep_level: int, sync_opts: dict) -> dict:
+    """The new weights to the engine, proven by the probe. An engine put to sleep for the update
+    wakes its weights' memory, takes the sync, wakes its KV cache, and only then scores the probe:
+    after every wake, whatever the sync reported (an engine that woke with other weights than the
+    trainer's would otherwise serve them)."""
+    from rollout.weight_sync import check_probe, push
+
+    if not sleep_level:
+        return push([engine], trainer, model_cfg, version, **sync_opts)
+    engine.wake_up(["weights"])
+    sync = push([engine], trainer, model_cfg, version, **{**sync_opts, "probe": None})
+    engine.wake_up(["kv_cache"])
+    t0 = time.perf_counter()
+    sync["sync/probe_gap"] = check_probe([engine], trainer.score, sync_opts["probe"], version)
+    sync["sync/probe_seconds"] = time.perf_counter() - t0
+    return sync
+
+
 def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
     from posttrain.tracking import Tracker
     from rewards.pool import RewardPool
@@ -123,7 +141,9 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                 data_state = prompts.state()  # before batch k+1 takes its prompts
                 pending = (executor.submit(produce, step + 1)
                            if off_policy and step + 1 < t.steps else None)
-                # 5. the update
+                # 5. the update (a sleeping vLLM engine leaves the GPUs to the trainer)
+                if r.sleep_level:
+                    engine.sleep(r.sleep_level)
                 with dog.waiting(f"the update of step {step + 1}"):
                     m, logp_old = trainer.update(batch)
                 faults.point("step")
@@ -135,7 +155,7 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                 # 6. the new weights to every engine, proven by the probe
                 tr = time.perf_counter()
                 with dog.waiting(f"the weight sync after step {step + 1}"):
-                    sync = push([engine], trainer, model_cfg, step + 1, **sync_opts)
+                    sync = sync_engine(engine, trainer, model_cfg, step + 1, r.sleep_level, sync_opts)
                 times["time/sync"] = time.perf_counter() - tr
                 # 7. metrics, evaluation, checkpoint
                 m.update(times)

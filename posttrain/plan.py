@@ -25,6 +25,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from posttrain.config import GPU_KINDS, GPU_SHARE
 from posttrain.errors import UserError
 
 GB = 1e9
@@ -44,6 +45,8 @@ TPU_TOPOLOGIES = {
     "v5e-4": "v5e:2x2", "v5e-8": "v5e:2x4", "v5e-16": "v5e:4x4", "v5e-256": "v5e:16x16",
     "v6e-4": "v6e:2x2", "v6e-8": "v6e:2x4", "v6e-16": "v6e:4x4", "v6e-256": "v6e:16x16",
 }
+CUDA_CONTEXT = 0.6 * GB  # per process and GPU: CUDA context + cuBLAS/NCCL workspaces (typical
+# of CUDA 12; not measured on these machines)
 USABLE = 0.92  # of device memory: the runtime, XLA's scratch and fragmentation take the rest
 # The libtpu that jax[tpu]==0.10.2 pins. Installed *outside* site-packages (vLLM takes an
 # importable libtpu to mean "this machine has TPUs" and refuses to start on CPU):
@@ -67,6 +70,9 @@ class Estimate:
     rollout_weights: float = 0.0
     rollout_kv: float = 0.0
     vllm_needed: float = 0.0  # vLLM weights + every sequence of a step in its KV cache at once
+    staging: float = 0.0  # vllm_ipc: the trainer's torch staging buffer, outside JAX's pool
+    contexts: float = 0.0  # CUDA contexts of the trainer's and vLLM's processes
+    jax_share: float = 0.0  # colocated vLLM on GPUs: JAX's preallocated pool (memory_fraction)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -76,7 +82,7 @@ class Estimate:
 
     @property
     def rollout(self) -> float:
-        return self.rollout_weights + self.rollout_kv
+        return self.rollout_weights + self.rollout_kv + self.staging + self.contexts
 
     def rows(self) -> list[tuple[str, float]]:
         return [("parameters", self.params), ("gradients", self.grads),
@@ -85,7 +91,9 @@ class Estimate:
                 ("gathered layer weights + their gradients", self.gathered),
                 ("activations (saved for backward)", self.activations),
                 ("logits", self.logits), ("batch", self.batch),
-                ("rollout weights", self.rollout_weights), ("rollout KV cache", self.rollout_kv)]
+                ("rollout weights", self.rollout_weights), ("rollout KV cache", self.rollout_kv),
+                ("weight-sync staging (torch, outside JAX's pool)", self.staging),
+                ("CUDA contexts (trainer + vLLM processes)", self.contexts)]
 
 
 # ---- inputs ------------------------------------------------------------------------------------
@@ -225,6 +233,23 @@ def estimate(cfg, mc, mesh_sizes: dict[str, int], hbm: float) -> Estimate:
                 f"{g.prompts_per_step * g.group_size} sequences at once need "
                 f"{kv_all / GB:.1f} GB; vLLM queues what does not fit)")
             est.rollout_kv = max(0.0, budget - est.rollout_weights)
+            if cfg.plan.accelerator in GPU_KINDS:
+                # vLLM in processes of its own beside the trainer's: two pools, each fixed
+                est.jax_share = cfg.memory_fraction() * hbm
+                est.contexts = 2 * CUDA_CONTEXT
+                if r.weight_transfer("gpu") == "ipc":
+                    est.staging = (r.bucket_mb << 20) * 1.0
+                est.notes.append(
+                    f"JAX preallocates trainer.memory_fraction x memory = {est.jax_share / GB:.1f} GB "
+                    f"per GPU for the trainer ({est.trainer / GB:.1f} GB estimated); vLLM's "
+                    f"processes hold gpu_memory_utilization x memory beside it; the rest "
+                    f"({(1 - cfg.memory_fraction() - r.gpu_memory_utilization) * hbm / GB:.1f} GB) "
+                    f"holds the CUDA contexts and the sync's staging buffer "
+                    f"({(est.contexts + est.staging) / GB:.1f} GB)")
+                if r.sleep_level:
+                    est.notes.append("rollout.sleep_level frees vLLM's memory during the update, "
+                                     "but JAX's pool is preallocated at start: the trainer gains "
+                                     "nothing unless XLA_PYTHON_CLIENT_ALLOCATOR=platform")
         else:
             est.rollout_weights = pbytes  # the colocated JAX engine copies the (sharded) weights
             seqs = g.prompts_per_step * g.group_size / batch_shards
@@ -238,11 +263,23 @@ def advice(cfg, mc, est: Estimate, hbm: float, mesh_sizes: dict[str, int]) -> li
     setting, its new value and what it saves ("enough" when that change alone makes it fit)."""
     budget = USABLE * hbm
     total = est.trainer + est.rollout
+    if est.jax_share:  # two fixed pools: the trainer must fit in JAX's, the rest beside both
+        r = cfg.rollout
+        free = (1 - cfg.memory_fraction() - r.gpu_memory_utilization) * hbm
+        if est.contexts + est.staging > free:
+            return [f"does not fit: the CUDA contexts and the weight-sync staging need "
+                    f"{(est.contexts + est.staging) / GB:.1f} GB per GPU beside JAX's and vLLM's "
+                    f"pools, {free / GB:.1f} GB are left",
+                    f"rollout.bucket_mb: {r.bucket_mb} -> {max(16, r.bucket_mb // 4)}: the "
+                    "staging buffer is one bucket"]
+        budget, total = est.jax_share, est.trainer
     if total <= budget:
         return []
     over = total - budget
+    where = (f"JAX's pool: trainer.memory_fraction {cfg.memory_fraction():g} of {hbm / GB:.0f} GB"
+             if est.jax_share else f"{USABLE:.0%} of {hbm / GB:.0f} GB")
     out = [f"does not fit: {total / GB:.1f} GB needed per device, {budget / GB:.1f} GB usable "
-           f"({USABLE:.0%} of {hbm / GB:.0f} GB); {over / GB:.1f} GB over"]
+           f"({where}); {over / GB:.1f} GB over"]
 
     def line(setting: str, saves: float, why: str = "") -> str:
         verdict = "enough" if saves >= over else "not enough alone"
@@ -266,13 +303,27 @@ def advice(cfg, mc, est: Estimate, hbm: float, mesh_sizes: dict[str, int]) -> li
                     "parameters, gradients and optimizer state are split twice as far"))
     if is_rl(cfg) and cfg.rollout.placement == "colocated" and est.rollout:
         r = cfg.rollout
-        if r.engine == "vllm":
+        if r.engine == "vllm" and not est.jax_share:
             lowest = max(0.05, math.ceil(est.vllm_needed / hbm * 100) / 100)
             if lowest < r.gpu_memory_utilization:
                 out.append(line(f"rollout.gpu_memory_utilization: {r.gpu_memory_utilization} -> "
                                 f"{lowest}", (r.gpu_memory_utilization - lowest) * hbm,
                                 "still holds every sequence of a step at once"))
-        out.append(line("rollout.placement: colocated -> disaggregated", est.rollout,
+        if est.jax_share and cfg.memory_fraction() + r.gpu_memory_utilization < GPU_SHARE - 0.005:
+            most = GPU_SHARE - r.gpu_memory_utilization
+            out.append(line(f"trainer.memory_fraction: {cfg.memory_fraction():g} -> {most:.2f}",
+                            (most - cfg.memory_fraction()) * hbm,
+                            "what vLLM's share leaves of the GPU"))
+        if est.jax_share:
+            lowest = max(0.05, math.ceil(est.vllm_needed / hbm * 100) / 100)
+            gain = max(0.0, r.gpu_memory_utilization - lowest)
+            out.append(line(f"rollout.gpu_memory_utilization: {r.gpu_memory_utilization} -> "
+                            f"{lowest} with trainer.memory_fraction: {cfg.memory_fraction():g} -> "
+                            f"{cfg.memory_fraction() + gain:.2f}", gain * hbm,
+                            "vLLM keeps every sequence of a step"))
+        out.append(line("rollout.placement: colocated -> disaggregated",
+                        est.rollout if not est.jax_share else
+                        (GPU_SHARE - cfg.memory_fraction()) * hbm,
                         "rollout on devices of its own"))
     return out
 
@@ -402,6 +453,8 @@ def print_report(r: dict, console=None) -> None:
     table.add_row("trainer total", f"{est.trainer / GB:.2f}", style="bold")
     if est.rollout:
         table.add_row("+ colocated rollout", f"{(est.trainer + est.rollout) / GB:.2f}", style="bold")
+    if est.jax_share:
+        table.add_row("JAX's pool (trainer.memory_fraction)", f"{est.jax_share / GB:.2f}")
     x = r.get("xla")
     if x:
         table.add_row(f"XLA ({x['platform']}, {x['devices']} devices): arguments",
@@ -422,9 +475,13 @@ def print_report(r: dict, console=None) -> None:
         for a in r["advice"][1:]:
             console.print(f"  change: {a}")
     else:
-        budget = USABLE * r["hbm"]
-        console.print(f"[green]fits[/]: {(est.trainer + est.rollout) / GB:.1f} GB of "
-                      f"{budget / GB:.1f} GB usable per device")
+        if est.jax_share:
+            console.print(f"[green]fits[/]: the trainer's {est.trainer / GB:.1f} GB in JAX's "
+                          f"{est.jax_share / GB:.1f} GB pool per GPU, vLLM beside it")
+        else:
+            budget = USABLE * r["hbm"]
+            console.print(f"[green]fits[/]: {(est.trainer + est.rollout) / GB:.1f} GB of "
+                          f"{budget / GB:.1f} GB usable per device")
 
 
 def add_parser(sub) -> None:
@@ -530,5 +587,6 @@ def as_json(r: dict) -> dict:
     return {"stage": r["stage"], "mesh": r["mesh"], "accelerator": r["accelerator"],
             "estimate": dict(est.rows()), "trainer_total": est.trainer,
             "total": est.trainer + est.rollout, "usable": USABLE * r["hbm"],
+            "jax_pool": est.jax_share,
             "fits": not r["advice"], "advice": r["advice"], "notes": est.notes,
             "xla": r.get("xla")}

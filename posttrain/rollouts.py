@@ -5,6 +5,8 @@ nothing touches the trainer's state.
 
 from __future__ import annotations
 
+import os
+
 import time
 from pathlib import Path
 
@@ -133,24 +135,39 @@ def build_engines(cfg: RunConfig, trainer, tokenizer, run_dir: Path):
         return JaxEngine(trainer.policy(), tokenizer, seed=cfg.seed, copy_weights=True)
     trainer.save_hf(hf_dir, lora_scale=cfg.model.lora.scale)
     tokenizer.save_pretrained(hf_dir)
+    import jax
+
+    platform = jax.default_backend()
+    vllm = {"dtype": r.dtype, "gpu_memory_utilization": r.gpu_memory_utilization,
+            "tensor_parallel_size": r.tensor_parallel_size, "seed": cfg.seed,
+            "enforce_eager": r.enforce_eager, "enable_expert_parallel": r.enable_expert_parallel,
+            "weight_transfer": r.weight_transfer(platform)}
+    standins = os.environ.get("POSTTRAIN_CUDA_STANDINS") == "1"  # CPU dry runs of the GPU path
     if r.placement == "colocated":
         from rollout.vllm_engine import VllmEngine
 
-        return VllmEngine(str(hf_dir), dtype=r.dtype, gpu_memory_utilization=r.gpu_memory_utilization,
-                          tensor_parallel_size=r.tensor_parallel_size, seed=cfg.seed,
-                          enforce_eager=r.enforce_eager,
-                          enable_expert_parallel=r.enable_expert_parallel)
+        engine = VllmEngine(str(hf_dir), **vllm, enable_sleep_mode=r.sleep_level > 0)
+        if standins and vllm["weight_transfer"]:
+            from rollout.cuda_standins import install_in_engine
+
+            install_in_engine(engine)
+        return engine
     from posttrain.cluster import init_ray
     from rollout.worker import WorkerGroup
 
     init_ray(cfg)
+    gpus = r.gpus_per_worker
+    if gpus is None:
+        gpus = r.tensor_parallel_size if platform == "gpu" and r.engine == "vllm" else 0
     spec = {"kind": r.engine, "model_dir": str(hf_dir), "tokenizer_dir": str(hf_dir), "seed": cfg.seed,
-            "scan_layers": trainer.model_cfg.scan_layers,
-            "vllm": {"dtype": r.dtype, "gpu_memory_utilization": r.gpu_memory_utilization,
-                     "tensor_parallel_size": r.tensor_parallel_size, "seed": cfg.seed,
-                     "enforce_eager": r.enforce_eager,
-                     "enable_expert_parallel": r.enable_expert_parallel}}
-    return WorkerGroup(spec, r.num_workers, request_timeout_s=r.request_timeout_s)
+            "scan_layers": trainer.model_cfg.scan_layers, "num_gpus": gpus, "vllm": vllm}
+    group = WorkerGroup(spec, r.num_workers, request_timeout_s=r.request_timeout_s)
+    if standins and vllm["weight_transfer"]:
+        from rollout.cuda_standins import install, install_in_group
+
+        install()
+        install_in_group(group)
+    return group
 
 
 # ---- sampling a batch --------------------------------------------------------------------------

@@ -148,6 +148,13 @@ class VllmEngine:
         self.llm.collective_rpc(_after_reload)
         return self._serve(version)
 
+    def shutdown(self) -> None:
+        """Stop vLLM's engine-core and worker processes (they hold this process's stdout
+        open; a process that exits with os._exit would otherwise leave them running)."""
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+
     # ---- sleep mode: the engine's GPU memory freed while the trainer updates ----
     def sleep(self, level: int) -> None:
         """Level 1: weights offloaded to host memory, KV cache dropped; level 2: both dropped
