@@ -765,10 +765,6 @@ def check_rollout_devices(cfg: RunConfig, num_devices: int, prefix: str = "") ->
         raise UserError(f"{prefix}rollout.tensor_parallel_size: {r.tensor_parallel_size} ranks "
                         f"of a colocated vLLM engine need as many of the trainer's devices; "
                         f"the mesh has {num_devices}")
-    if gpu and r.placement == "colocated" and r.transport == "in_process":
-        raise UserError(f"{prefix}rollout.transport: in_process hands vLLM views of the JAX "
-                        "buffers in the trainer's process; on GPUs vLLM's model lives in "
-                        "processes of its own: use vllm_ipc (or auto)")
 
 
 def named_devices(cfg: RunConfig) -> int | None:

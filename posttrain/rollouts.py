@@ -138,6 +138,11 @@ def build_engines(cfg: RunConfig, trainer, tokenizer, run_dir: Path):
     import jax
 
     platform = jax.default_backend()
+    if platform == "gpu" and r.engine == "vllm" and r.placement == "colocated" and \
+            r.transport == "in_process":
+        raise UserError("rollout.transport: in_process hands vLLM views of the JAX buffers in "
+                        "the trainer's process; on GPUs vLLM's model lives in processes of its "
+                        "own: use vllm_ipc (or auto)")
     vllm = {"dtype": r.dtype, "gpu_memory_utilization": r.gpu_memory_utilization,
             "tensor_parallel_size": r.tensor_parallel_size, "seed": cfg.seed,
             "enforce_eager": r.enforce_eager, "enable_expert_parallel": r.enable_expert_parallel,

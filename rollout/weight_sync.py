@@ -5,7 +5,9 @@ checkpoints can take them, bucket by bucket over a transport (`rollout.transfer`
 - colocated JAX engine: the NNX state itself (same model code, nothing converted or copied);
 - colocated vLLM engine: torch views over the JAX buffers through DLPack (no copy on CPU);
 - Ray workers (disaggregated): packed buckets through Ray's object store (pipelined) or a gloo
-  broadcast from the trainer's process (`rollout.transport`).
+  broadcast from the trainer's process (`rollout.transport`);
+- vLLM in processes of its own (GPUs): vLLM's weight-transfer engines, CUDA IPC when colocated,
+  NCCL to Ray workers (`rollout.vllm_transfer`).
 Every engine confirms the version it now serves, and then proves it serves the trainer's weights:
 it scores a fixed probe (a few token sequences, teacher-forced) and the trainer compares those
 log-probs with its own (`check_probe`). A gap beyond the engine's tolerance (fp32: 1e-4 JAX,

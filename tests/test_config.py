@@ -183,3 +183,76 @@ def test_validate_checks_a_fixed_mesh_against_the_count_it_names():
     # the named count is still checked: a batch the 8-way mesh cannot split fails
     r = cli("validate", "recipes/grpo_qwen3_30b.yaml", "grpo.prompts_per_step=3")
     assert r.returncode == 2 and "data x fsdp mesh size (8)" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("rollout,error", [
+    (dict(engine="jax", transport="vllm_ipc"), "is vLLM's weight-transfer engine"),
+    (dict(engine="vllm", placement="disaggregated", transport="vllm_ipc"),
+     "reaches vLLM on the trainer's own GPUs .* use vllm_nccl"),
+    (dict(engine="vllm", placement="colocated", transport="vllm_nccl"),
+     "reaches vLLM on other GPUs .* use vllm_ipc"),
+    (dict(engine="vllm", tensor_parallel_size=2, transport="in_process"),
+     "its tensor-parallel ranks are processes of their own; use vllm_ipc"),
+    (dict(engine="jax", sleep_level=1), "only a colocated vLLM engine sleeps"),
+    (dict(engine="vllm", sleep_level=2, probe=False), "sleep_level needs probe: true"),
+    (dict(engine="vllm", transport="vllm_ipc", tensor_parallel_size=8), None),
+    (dict(engine="vllm", placement="disaggregated", transport="vllm_nccl"), None)])
+def test_vllm_transports_must_match_engine_placement_and_parallelism(rollout, error):
+    from pydantic import ValidationError
+
+    from posttrain.config import RolloutSection
+
+    if error is None:
+        RolloutSection(**rollout)
+        return
+    with pytest.raises(ValidationError, match=error):
+        RolloutSection(**rollout)
+
+
+@pytest.mark.parametrize("rollout,platform,backend", [
+    (dict(engine="vllm"), "gpu", "ipc"), (dict(engine="vllm"), "cpu", None),
+    (dict(engine="vllm", tensor_parallel_size=2), "cpu", "ipc"),
+    (dict(engine="vllm", placement="disaggregated"), "gpu", "nccl"),
+    (dict(engine="vllm", placement="disaggregated"), "cpu", None),
+    (dict(engine="vllm", placement="disaggregated", transport="object_store"), "gpu", None),
+    (dict(engine="jax"), "gpu", None)])
+def test_auto_transport_picks_vllms_engine_where_the_model_is_out_of_reach(rollout, platform, backend):
+    from posttrain.config import RolloutSection
+
+    assert RolloutSection(**rollout).weight_transfer(platform) == backend
+
+
+@pytest.mark.parametrize("overrides,error", [
+    (["rollout.gpu_memory_utilization=0.3"],
+     r"trainer.memory_fraction \(0.75\) \+ rollout.gpu_memory_utilization \(0.3\) = 1.05"),
+    (["rollout.tensor_parallel_size=16", "trainer.memory_fraction=0.6"],
+     "tensor_parallel_size: 16 ranks of a colocated vLLM engine need as many of the trainer's "
+     "devices; the mesh has 8"),
+    (["plan.accelerator=v5p"], "vllm_ipc moves weights between GPUs"),
+    (["plan.accelerator=v5p", "rollout.transport=auto"], "vllm colocated with a JAX trainer on TPU"),
+    (["rollout.sleep_level=1", "async.off_policy_steps=1"], "it cannot sleep then")])
+def test_validate_rejects_impossible_colocated_gpu_configurations(overrides, error):
+    """The 30B recipe (8 H200s, vLLM colocated at tensor parallel 8 through CUDA IPC) with one
+    setting broken: exit 2 and one line naming it."""
+    r = cli("validate", "recipes/grpo_qwen3_30b.yaml", *overrides)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert __import__("re").search(error, r.stderr), r.stderr
+
+
+def test_the_memory_split_reaches_jax_before_it_starts(tmp_path, monkeypatch):
+    from posttrain.config import apply_memory_split
+
+    (cfg,) = load_recipe(ROOT / "recipes/grpo_qwen3_30b.yaml")
+    assert cfg.memory_fraction() == 0.75
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    apply_memory_split([cfg])
+    assert __import__("os").environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.75"
+    # the default beside vLLM leaves the environment's choice alone; an explicit one wins
+    (dflt,) = load_recipe(ROOT / "recipes/grpo_qwen3_30b.yaml", ["trainer.memory_fraction=null",
+                                                                 "rollout.gpu_memory_utilization=0.3"])
+    assert dflt.memory_fraction() == 0.65
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    apply_memory_split([dflt])
+    assert __import__("os").environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
+    apply_memory_split([cfg])
+    assert __import__("os").environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.75"

@@ -85,3 +85,21 @@ def test_tpu_topology_compile_agrees_with_the_estimate(tmp_path):
     x = r["xla"]
     assert x["platform"] == "tpu" and x["devices"] == 4 and "v5" in x["device_kind"].lower()
     assert abs(r["trainer_total"] - x["total"]) <= 0.15 * x["total"], (r["trainer_total"], x)
+
+
+def test_colocated_vllm_is_planned_as_a_pool_beside_jaxs():
+    """vLLM in processes of its own on the trainer's GPUs: the trainer must fit JAX's pool
+    (trainer.memory_fraction), vLLM holds gpu_memory_utilization beside it, and the rest of the
+    GPU the CUDA contexts and the IPC staging buffer (one bucket)."""
+    rc, (r,) = plan("recipes/grpo_qwen3_30b.yaml", "--no-compile")
+    est = r["estimate"]
+    assert rc == 0 and r["fits"]
+    assert r["jax_pool"] == pytest.approx(0.75 * 141 * GB)
+    assert est["weight-sync staging (torch, outside JAX's pool)"] == 256 << 20
+    assert est["CUDA contexts (trainer + vLLM processes)"] > 0
+    assert r["trainer_total"] < r["jax_pool"]
+    rc, (r,) = plan("recipes/grpo_qwen3_30b.yaml", "--no-compile", "trainer.memory_fraction=0.6")
+    assert rc == 1 and not r["fits"]
+    assert "JAX's pool: trainer.memory_fraction 0.6" in r["advice"][0]
+    assert any(a.startswith("trainer.memory_fraction: 0.6 -> 0.75") and "(enough)" in a
+               for a in r["advice"][1:]), r["advice"]

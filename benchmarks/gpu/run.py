@@ -50,8 +50,8 @@ def shapes(dry: bool) -> dict:
                     tie_word_embeddings=True, max_position_embeddings=512)
         return {"0.6b": ModelConfig(hidden_size=128, **tiny),
                 "1.7b": ModelConfig(hidden_size=192, **{**tiny, "intermediate_size": 384})}
-    return {"0.6b": ModelConfig.qwen3(1024, 3072, 28, 16, 8, True, max_position_embeddings=4096),
-            "1.7b": ModelConfig.qwen3(2048, 6144, 28, 16, 8, True, max_position_embeddings=4096)}
+    return {"0.6b": ModelConfig.qwen3(1024, 3072, 28, 16, 8, True),
+            "1.7b": ModelConfig.qwen3(2048, 6144, 28, 16, 8, True)}
 
 
 def device_info() -> dict:

@@ -5,8 +5,8 @@ packed IPC consumer, the IPC and NCCL worker engines inside a vLLM engine whose 
 processes of its own, vLLM's NCCL trainer engine -- except the calls that need CUDA or NCCL,
 which `rollout.cuda_standins` replaces (CUDA IPC by shared memory, NCCL by gloo, CUDA streams
 by no-ops). What is checked: the cut points both sides agree on, the order of vLLM's calls,
-every vLLM parameter equal bit for bit to the exported tensors it is built from, the probe,
-and that a chunk corrupted in flight is caught."""
+the tensors vLLM's model loads equal bit for bit to those exported, the probe, and that a
+chunk corrupted in flight is caught."""
 
 import json
 import os
@@ -138,9 +138,10 @@ def run_engine_check(d, backend: str) -> dict:
 def test_vllm_engine_in_its_own_processes_takes_weights_through_its_transfer_engine(tiny, backend):
     """A vLLM engine whose model runs in its engine-core and worker processes (as on GPUs) gets
     three syncs (two dense policies, one with LoRA merged) through vLLM's `backend` engine:
-    vLLM's calls in order (init once; start, update per chunk or once, finish), every vLLM
-    parameter bitwise equal to the exported tensors it fuses, the probe within vLLM's fp32
-    tolerance; then a chunk corrupted in flight stops the sync at the probe."""
+    vLLM's calls in order (init once; start, update per chunk or once, finish), what vLLM's
+    model loaded bitwise what the exporter sent (a hash of every tensor its `load_weights` was
+    given), the probe within vLLM's fp32 tolerance; then a chunk corrupted in flight stops the
+    sync at the probe, and the hash differs."""
     out = run_engine_check(tiny, backend)
     for sync in out["syncs"]:
         assert sync["bitwise"], sync

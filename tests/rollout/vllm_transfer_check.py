@@ -6,40 +6,43 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 
-
-def reload_matches(worker, hf: dict) -> list[str]:
-    """In vLLM's worker: every parameter as the transfer engine left it, against the same HF
-    tensors loaded again the in-process way (vLLM's layerwise reload and `load_weights`, the
-    path tested against transformers); the names that differ."""
-    import torch
-
-    from rollout.vllm_engine import _finish_reload, _start_reload
+def record_loads(worker) -> None:
+    """In vLLM's worker: hash every (name, tensor) its model's `load_weights` is given, in order
+    (what vLLM's transfer engine hands the model). The CPU backend prepacks linear weights and
+    leaves the parameters empty, so the parameters themselves cannot be compared."""
+    from rollout.transfer import Digest
 
     model = worker.model_runner.get_model()
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with torch.no_grad():
-        _start_reload(worker)
-        model.load_weights(iter([(n, torch.from_numpy(np.frombuffer(b, dt).reshape(shape).copy()))
-                                 for n, (dt, shape, b) in hf.items()]))
-        _finish_reload(worker)
-    after = dict(model.named_parameters())
-    bad = [n for n, t in before.items() if not torch.equal(t, after[n].detach())]
-    return bad if len(before) > 5 else ["(too few parameters)"]
+    inner = model.load_weights
+    worker._posttrain_loads = Digest()
+
+    def load_weights(weights):
+        weights = list(weights)
+        worker._posttrain_loads.update(weights)
+        return inner(weights)
+
+    model.load_weights = load_weights
+
+
+def loads_digest(worker) -> str:
+    from rollout.transfer import Digest
+
+    out, worker._posttrain_loads = worker._posttrain_loads.hexdigest(), Digest()
+    return out
 
 
 def bitwise(eng, model, scale) -> bool:
+    """What vLLM's model loaded during the last sync equals, tensor for tensor and byte for
+    byte, what the exporter sends (names, dtypes, shapes, bytes, order)."""
     from flax import nnx
 
-    from rollout.weight_sync import hf_numpy
+    from rollout.transfer import Exporter, export_digest
 
-    hf = hf_numpy(nnx.state(model), model.cfg, scale)
-    wire = {n: (str(a.dtype), list(a.shape), a.tobytes()) for n, a in hf.items()}  # msgpack-safe
-    (bad,) = eng.llm.collective_rpc(reload_matches, args=(wire,))
-    if bad:
-        print("differ:", bad[:5], file=sys.stderr)
-    return not bad
+    want = export_digest(Exporter(nnx.state(model), model.cfg, lora_scale=scale,
+                                  dtype=eng.weight_dtype))
+    (got,) = eng.llm.collective_rpc(loads_digest)
+    return got == want
 
 
 def main(d: Path, backend: str) -> None:
@@ -62,6 +65,7 @@ def checks(eng, d: Path, backend: str) -> None:
     from tests.rollout.test_transfer import LORA_SCALE, perturbed, with_lora
 
     cuda_standins.install_in_engine(eng)
+    eng.llm.collective_rpc(record_loads)
     policies = [(perturbed(from_pretrained(d, scan_layers=False), 1), None),
                 (perturbed(from_pretrained(d, scan_layers=False), 2), None),
                 (with_lora(from_pretrained(d, scan_layers=False), False), LORA_SCALE)]
@@ -102,6 +106,7 @@ def checks(eng, d: Path, backend: str) -> None:
     except WeightSyncError as e:
         out["corrupted"] = f"WeightSyncError: {e}"
     out["corrupted_bitwise"] = bitwise(eng, model, None)  # the same check, now failing
+    eng.llm.collective_rpc(loads_digest)  # (reset)
     print("@@JSON@@" + json.dumps(out), flush=True)
 
 

@@ -1,0 +1,61 @@
+"""The GPU check (`benchmarks/gpu/run.py`): its arguments, and its whole control flow as a CPU dry
+run (tiny shapes; the calls that need CUDA or NCCL stood in by `rollout.cuda_standins`), down to
+the JSON it writes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.gpu import run as gpu
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_unknown_part_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        gpu.main(["--out", str(tmp_path), "--parts", "sft,warp"])
+    assert e.value.code == 2 and "unknown ['warp']" in capsys.readouterr().err
+
+
+def test_the_shapes_are_qwen3_0_6b_and_1_7b():
+    s = gpu.shapes(dry=False)
+    params = {k: sum(gpu._param_count(c).values()) for k, c in s.items()}
+    assert abs(params["0.6b"] - 0.596e9) < 0.01e9 and abs(params["1.7b"] - 1.72e9) < 0.02e9, params
+
+
+def test_the_install_script_installs_the_cuda_extras_then_runs_the_check():
+    sh = (ROOT / "benchmarks/gpu/run.sh").read_text()
+    assert "'.[cuda,vllm,test]'" in sh and "-m benchmarks.gpu.run --out" in sh
+    r = subprocess.run(["bash", "-n", str(ROOT / "benchmarks/gpu/run.sh")], capture_output=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_part_and_writes_the_results(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu.run", "--out", str(tmp_path),
+                        "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=1200, start_new_session=True)
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert r.returncode == 0, json.dumps({k: v.get("error") for k, v in res["parts"].items()})[-4000:]
+    parts = res["parts"]
+    assert res["dry_run"] and list(parts) == list(gpu.PARTS)
+    assert all(p["status"] == "ok" for p in parts.values())
+    for name in ("0.6b", "1.7b"):
+        m = parts["sft"]["models"][name]
+        assert m["tokens_per_s"] > 0 and 0 < m["mfu"] < 1 and m["loss"] > 0
+    dec = parts["decode"]
+    assert set(dec["engines"]) == {"jax", "vllm"} and dec["jax_over_vllm"] > 0
+    assert all(e["tokens_per_s"] > 0 and e["of_roofline"] > 0 for e in dec["engines"].values())
+    grpo = parts["grpo"]  # JAX trainer + vLLM in its own processes, weights through (stood-in) IPC
+    assert grpo["transport"] == "vllm_ipc" and len(grpo["steps"]) == 3
+    assert grpo["probe_gap_max"] <= 1e-3 and all(s["sync/buckets"] >= 1 for s in grpo["steps"])
+    par = parts["parity"]["models"]
+    assert par["float32"]["max_abs"] <= 1e-4  # the fp32 bound of tests/models (same kernels class)
+    assert par["bfloat16"]["argmax_agree"] >= 0.9
+    for p in gpu.PARTS:
+        assert json.loads((tmp_path / f"{p}.json").read_text())
