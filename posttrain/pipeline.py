@@ -65,7 +65,8 @@ def sync_engine(engine, trainer, model_cfg, version: int, sleep_level: int, sync
     sync = push([engine], trainer, model_cfg, version, **{**sync_opts, "probe": None})
     engine.wake_up(["kv_cache"])
     t0 = time.perf_counter()
-    sync["sync/probe_gap"] = check_probe([engine], trainer.score, sync_opts["probe"], version)
+    scorer = sync_opts.get("model") or trainer.score
+    sync["sync/probe_gap"] = check_probe([engine], scorer, sync_opts["probe"], version)
     sync["sync/probe_seconds"] = time.perf_counter() - t0
     return sync
 

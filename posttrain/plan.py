@@ -314,9 +314,9 @@ def advice(cfg, mc, est: Estimate, hbm: float, mesh_sizes: dict[str, int]) -> li
             out.append(line(f"trainer.memory_fraction: {cfg.memory_fraction():g} -> {most:.2f}",
                             (most - cfg.memory_fraction()) * hbm,
                             "what vLLM's share leaves of the GPU"))
-        if est.jax_share:
-            lowest = max(0.05, math.ceil(est.vllm_needed / hbm * 100) / 100)
-            gain = max(0.0, r.gpu_memory_utilization - lowest)
+        lowest = max(0.05, math.ceil(est.vllm_needed / hbm * 100) / 100)
+        if est.jax_share and lowest < r.gpu_memory_utilization:
+            gain = r.gpu_memory_utilization - lowest
             out.append(line(f"rollout.gpu_memory_utilization: {r.gpu_memory_utilization} -> "
                             f"{lowest} with trainer.memory_fraction: {cfg.memory_fraction():g} -> "
                             f"{cfg.memory_fraction() + gain:.2f}", gain * hbm,

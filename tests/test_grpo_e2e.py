@@ -77,9 +77,12 @@ def test_grpo_tiny_learns(base, tmp_path, engine, placement, off_policy, top_p):
 
 @pytest.mark.slow
 # LoRA over the Ray transports (object store, gloo) is covered bucket by bucket, bitwise, by
-# tests/rollout/test_transfer.py::test_ray_transports_deliver_bitwise (CI time)
+# tests/rollout/test_transfer.py::test_ray_transports_deliver_bitwise (CI time). vllm_nccl: two
+# vLLM workers in processes of their own take each sync through vLLM's NCCL engine (NCCL stood
+# in by gloo, `rollout.cuda_standins`), the second at the ranks after the first's.
 @pytest.mark.parametrize("engine,placement,transport", [
-    ("jax", "colocated", "auto"), ("vllm", "colocated", "auto")])
+    ("jax", "colocated", "auto"), ("vllm", "colocated", "auto"),
+    ("vllm", "disaggregated", "vllm_nccl")])
 def test_grpo_with_lora_engines_serve_the_policy(base, tmp_path, engine, placement, transport):
     """A LoRA policy (adapters over the SFT weights) trained by GRPO: every engine serves
     W + (alpha / r) B A after each sync, so its log-probs equal the trainer's as closely as
@@ -91,9 +94,11 @@ def test_grpo_with_lora_engines_serve_the_policy(base, tmp_path, engine, placeme
                            f"stages.1.rollout.engine={engine}",
                            f"stages.1.rollout.placement={placement}",
                            f"stages.1.rollout.transport={transport}",
-                           "stages.1.rollout.num_workers=1", "stages.1.rollout.bucket_mb=1",
+                           f"stages.1.rollout.num_workers={2 if transport == 'vllm_nccl' else 1}",
+                           "stages.1.rollout.bucket_mb=1",
                            "rewards.functions=[{fn: tests/rewards_for_tests.py:says_seven}]",
-                           "stages.1.rollout.enforce_eager=true"])
+                           "stages.1.rollout.enforce_eager=true"],
+        **({"POSTTRAIN_CUDA_STANDINS": "1"} if transport.startswith("vllm_") else {}))
     m = [x for x in metrics(d / "grpo") if x.get("reward_mean") is not None]
     assert len(m) == 3
     for x in m:

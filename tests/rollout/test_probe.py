@@ -172,3 +172,38 @@ def test_lora_policy_reaches_an_hf_engine_as_effective_weights(models, int8_base
         eng.update_weights(hf_numpy(nnx.state(from_pretrained(d, scan_layers=False)), cfg), 2)
         with pytest.raises(WeightSyncError, match="version 2"):
             check_probe([eng], policy, PROBE, 2)
+
+
+class LevelTwoSleeper(JaxEngine):
+    """A JAX engine with vLLM's level-2 sleep: the weights are dropped on sleep (their memory
+    is given away: zeros here) and stay whatever that memory holds after the wake, until a sync
+    rewrites them."""
+
+    calls: list
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+        self.state = jax.tree.map(jnp.zeros_like, self.state)
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake", tuple(tags or ())))
+
+
+def test_an_engine_that_slept_is_synced_and_probed_after_every_wake(models):
+    """The pipeline's `sync_engine` after a sleeping update: wake the weights, sync, wake the KV
+    cache, probe. An engine that woke without the sync (the failure a peer shipped: garbage
+    served after wake) is stopped by the probe."""
+    from posttrain.pipeline import sync_engine
+
+    d, trained = models
+    eng = LevelTwoSleeper(from_pretrained(d))
+    eng.calls = []
+    opts = dict(probe=PROBE, model=trained)
+    eng.sleep(2)
+    m = sync_engine(eng, nnx.state(trained), trained.cfg, 1, 2, opts)
+    assert eng.calls == [("sleep", 2), ("wake", ("weights",)), ("wake", ("kv_cache",))]
+    assert m["sync/probe_gap"] == 0.0 and eng.version == 1 and "sync/probe_seconds" in m
+    eng.sleep(2)
+    eng.wake_up()
+    with pytest.raises(WeightSyncError, match="LevelTwoSleeper .* version 1"):
+        check_probe([eng], trained, PROBE, 1)
