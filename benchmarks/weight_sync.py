@@ -2,6 +2,7 @@
 (3.3M parameters) and a ~500M-parameter one (Qwen3 architecture: hidden 1024, 32 layers,
 16 heads x 128, 8 KV heads, MLP 3072; 503M parameters), each path as the pipeline runs it:
 
+- `memcpy`: the reference for the in-process paths: a host copy of every array of the state
 - `jax`: colocated JAX engine, the trainer's NNX state handed over in memory (the engine takes
   its own copy: the trainer donates its buffers to the next step);
 - `vllm_reload` (the in-process path before buckets): one `reload_weights` of every view;
@@ -73,10 +74,14 @@ state = nnx.state(model)
 n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 bucket = bucket_mb << 20
 pids = []
-if path == "jax":
+if path in ("jax", "memcpy"):
     from rollout.jax_engine import JaxEngine
     eng = JaxEngine(from_pretrained(model_dir, scan_layers=False), None, copy_weights=True)
     sync = lambda v: push([eng], state, model.cfg, v)
+    if path == "memcpy":  # the reference: one host memcpy of every array of the state
+        import numpy as np
+        leaves = [np.asarray(x) for x in jax.tree.leaves(state)]
+        sync = lambda v: [np.copy(a) for a in leaves]
 elif path == "vllm":
     from rollout.vllm_engine import VllmEngine
     # room for the 500M model's weights (2 GB) and its KV cache in vLLM-CPU's memory budget

@@ -108,6 +108,11 @@ def _adopt(arr: np.ndarray, borrow: bool) -> jax.Array:
     return jnp.array(arr, copy=True).block_until_ready()
 
 
+@jax.jit
+def _copy_tree(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
 class JaxEngine:
     def __init__(self, model: CausalLM, tokenizer=None, *, eos_token_ids: Sequence[int] = (),
                  version: int = 0, seed: int = 0, copy_weights: bool = False):
@@ -138,10 +143,14 @@ class JaxEngine:
         mapping of HF tensor names to arrays in HF layout."""
         t0 = time.perf_counter()
         if isinstance(weights, nnx.State):
-            # Own copy: the trainer donates its state buffers to the next step.
-            nnx.update(model := nnx.merge(self.graphdef, self.state), jax.tree.map(jnp.copy, weights))
+            # Own copy: the trainer donates its state buffers to the next step. The same tree
+            # as the engine's (the colocated case): one jitted copy of every leaf, one dispatch.
+            if jax.tree.structure(weights) == jax.tree.structure(self.state):
+                self.state = _copy_tree(weights)
+            else:  # a part of the state (the parameters): merged in
+                nnx.update(model := nnx.merge(self.graphdef, self.state), _copy_tree(weights))
+                _, self.state = nnx.split(model)
             nbytes = sum(x.nbytes for x in jax.tree.leaves(weights))
-            _, self.state = nnx.split(model)
             self.version = version
         else:
             self.start_weight_update(version)
