@@ -756,7 +756,7 @@ def check_rollout_devices(cfg: RunConfig, num_devices: int, prefix: str = "") ->
     if r.transport.startswith("vllm_") and not gpu:
         raise UserError(f"{prefix}rollout.transport: {r.transport} moves weights between GPUs "
                         f"(CUDA IPC / NCCL); plan.accelerator is {kind!r}")
-    if kind in ("v4", "v5e", "v5p", "v6e") and r.placement == "colocated":
+    if not gpu and kind != "cpu" and r.placement == "colocated":  # a TPU
         raise UserError(f"{prefix}rollout.engine: vllm colocated with a JAX trainer on TPU "
                         f"({kind}) is not supported (vLLM's TPU backend holds the chips "
                         "itself); use engine: jax, or placement: disaggregated on devices of "

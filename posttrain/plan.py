@@ -303,27 +303,22 @@ def advice(cfg, mc, est: Estimate, hbm: float, mesh_sizes: dict[str, int]) -> li
                     "parameters, gradients and optimizer state are split twice as far"))
     if is_rl(cfg) and cfg.rollout.placement == "colocated" and est.rollout:
         r = cfg.rollout
-        if r.engine == "vllm" and not est.jax_share:
-            lowest = max(0.05, math.ceil(est.vllm_needed / hbm * 100) / 100)
-            if lowest < r.gpu_memory_utilization:
-                out.append(line(f"rollout.gpu_memory_utilization: {r.gpu_memory_utilization} -> "
-                                f"{lowest}", (r.gpu_memory_utilization - lowest) * hbm,
-                                "still holds every sequence of a step at once"))
-        if est.jax_share and cfg.memory_fraction() + r.gpu_memory_utilization < GPU_SHARE - 0.005:
+        frac = cfg.memory_fraction()
+        if est.jax_share and frac + r.gpu_memory_utilization < GPU_SHARE - 0.005:
             most = GPU_SHARE - r.gpu_memory_utilization
-            out.append(line(f"trainer.memory_fraction: {cfg.memory_fraction():g} -> {most:.2f}",
-                            (most - cfg.memory_fraction()) * hbm,
-                            "what vLLM's share leaves of the GPU"))
+            out.append(line(f"trainer.memory_fraction: {frac:g} -> {most:.2f}",
+                            (most - frac) * hbm, "what vLLM's share leaves of the GPU"))
         lowest = max(0.05, math.ceil(est.vllm_needed / hbm * 100) / 100)
-        if est.jax_share and lowest < r.gpu_memory_utilization:
+        if r.engine == "vllm" and lowest < r.gpu_memory_utilization:
             gain = r.gpu_memory_utilization - lowest
+            # beside JAX's fixed pool, what vLLM gives back only helps once JAX takes it
+            also = (f" with trainer.memory_fraction: {frac:g} -> {frac + gain:.2f}"
+                    if est.jax_share else "")
             out.append(line(f"rollout.gpu_memory_utilization: {r.gpu_memory_utilization} -> "
-                            f"{lowest} with trainer.memory_fraction: {cfg.memory_fraction():g} -> "
-                            f"{cfg.memory_fraction() + gain:.2f}", gain * hbm,
-                            "vLLM keeps every sequence of a step"))
+                            f"{lowest}{also}", gain * hbm,
+                            "still holds every sequence of a step at once"))
         out.append(line("rollout.placement: colocated -> disaggregated",
-                        est.rollout if not est.jax_share else
-                        (GPU_SHARE - cfg.memory_fraction()) * hbm,
+                        (GPU_SHARE - frac) * hbm if est.jax_share else est.rollout,
                         "rollout on devices of its own"))
     return out
 

@@ -6,7 +6,6 @@ nothing touches the trainer's state.
 from __future__ import annotations
 
 import os
-
 import time
 from pathlib import Path
 

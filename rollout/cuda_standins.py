@@ -153,8 +153,4 @@ def install_in_engine(engine) -> None:
 
 def install_in_group(group) -> None:
     """In every Ray worker of a `WorkerGroup` and in their engines' worker processes."""
-    group.call_all("call", _install_in_worker_engine)
-
-
-def _install_in_worker_engine(engine) -> None:
-    install_in_engine(engine)
+    group.call_all("call", install_in_engine)

@@ -178,21 +178,30 @@ def torch_dtype(name: str):
     return getattr(torch, name)
 
 
-def tensor_on(exporter: Exporter, name: str, dtype: str, jax_device):
-    """One exported tensor, whole, in `dtype`, on `jax_device`, as a torch tensor over the JAX
-    buffer (DLPack: no copy beyond the gather of a sharded parameter and the cast)."""
-    import jax
+def exported(exporter: Exporter, name: str, dtype: str):
+    """One exported tensor, whole, as a JAX array in `dtype` (computed once: a LoRA merge, a
+    dequantization, a transpose, the cast)."""
     import jax.numpy as jnp
-    import torch
 
     arr = exporter.tensor(name)
     if isinstance(arr, np.ndarray):
         arr = jnp.asarray(arr)
-    if arr.dtype != jnp.dtype(dtype):
-        arr = arr.astype(jnp.dtype(dtype))
+    return arr if arr.dtype == jnp.dtype(dtype) else arr.astype(jnp.dtype(dtype))
+
+
+def on_device(arr, jax_device):
+    """`arr` on `jax_device` as a torch tensor over the JAX buffer (DLPack: no copy beyond the
+    gather of a sharded array)."""
+    import jax
+    import torch
+
     if arr.sharding.device_set != {jax_device}:
         arr = jax.device_put(arr, jax_device)
     return torch.from_dlpack(arr)
+
+
+def tensor_on(exporter: Exporter, name: str, dtype: str, jax_device):
+    return on_device(exported(exporter, name, dtype), jax_device)
 
 
 class ExporterSource(WeightSource):
@@ -231,7 +240,28 @@ def nccl_chunks(sizes: list[int], buffer_bytes: int) -> list[int]:
 
 
 # ---- transports ------------------------------------------------------------------------------
-class VllmIPC(Transport):
+class _VllmTransport(Transport):
+    """What the two vLLM transports share: the version gate, the client, no digests."""
+
+    def __init__(self, target):
+        require_weight_transfer()
+        super().__init__(target)
+        self.ranks = int(getattr(target, "tensor_parallel_size", 1))
+        self.client = client_for(target, self.ranks)
+
+    def send(self, exporter, version, check_digest=False):
+        if check_digest:
+            raise ValueError("vLLM's weight-transfer engines do not hash what they load: "
+                             "the probe check proves the weights (check_digest needs another "
+                             "transport)")
+        t0 = time.perf_counter()
+        self.client.version = version
+        buckets = self._send(exporter, version)
+        return {"sync/bytes": float(exporter.nbytes), "sync/seconds": time.perf_counter() - t0,
+                "sync/buckets": float(buckets)}
+
+
+class VllmIPC(_VllmTransport):
     """CUDA IPC into a vLLM engine on the trainer's GPUs (see the module docstring)."""
 
     name = "vllm_ipc"
@@ -239,12 +269,9 @@ class VllmIPC(Transport):
     def __init__(self, target, devices=None):
         import jax
 
-        require_weight_transfer()
         super().__init__(target)
-        self.client = client_for(target)
         # the engine's GPUs: its tensor-parallel ranks are on the first devices of this process
-        ranks = getattr(target, "tensor_parallel_size", 1)
-        self.devices = list(devices or jax.local_devices()[:ranks])
+        self.devices = list(devices or jax.local_devices()[:self.ranks])
         self._ready, self._staging = False, {}
 
     def init(self, exporter):
@@ -257,12 +284,9 @@ class VllmIPC(Transport):
         specs = [(t.name, t.shape, t.dtype) for b in exporter.plan for t in b.tensors]
         return plan_buckets(specs, exporter.bucket_bytes, align=1)
 
-    def send(self, exporter, version, check_digest=False):
-        if check_digest:
-            raise ValueError("vLLM's weight-transfer engines do not hash what they load: "
-                             "the probe check proves the weights (check_digest needs another "
-                             "transport)")
-        t0 = time.perf_counter()
+    def _send(self, exporter, version) -> int:
+        import torch
+
         plan = self.plan(exporter)
         need = max(b.nbytes for b in plan)
         for d in self.devices:  # kept between syncs, grown when a bucket needs more
@@ -272,21 +296,20 @@ class VllmIPC(Transport):
         handles = {_cuda.device_uuid(torch_device(d)): _cuda.ipc_share(self._staging[d])
                    for d in self.devices}
         self.init(exporter)
-        self.client.version = version
         self.client.start_weight_update()
         for meta in plan:
             faults.point("weight_sync")
+            for t in meta.tensors:
+                arr = exported(exporter, t.name, t.dtype)  # once, then onto every GPU
+                for d in self.devices:
+                    src = on_device(arr, d).reshape(-1).view(torch.uint8)
+                    self._staging[d][t.offset:t.offset + t.nbytes].copy_(src)
             for d in self.devices:
-                buf = self._staging[d]
-                for t in meta.tensors:
-                    src = tensor_on(exporter, t.name, t.dtype, d).reshape(-1).view(_uint8())
-                    buf[t.offset:t.offset + t.nbytes].copy_(src)
                 _cuda.synchronize(torch_device(d))
             self.client.update_weights(update_info(meta, handles))
         self.client.finish_weight_update(str(version))
         _cuda.release()
-        return {"sync/bytes": float(exporter.nbytes), "sync/seconds": time.perf_counter() - t0,
-                "sync/buckets": float(len(plan))}
+        return len(plan)
 
 
 def update_info(meta, handles: dict) -> dict:
@@ -299,13 +322,7 @@ def update_info(meta, handles: dict) -> dict:
         tensor_sizes=[t.nbytes for t in meta.tensors]))
 
 
-def _uint8():
-    import torch
-
-    return torch.uint8
-
-
-class VllmNCCL(Transport):
+class VllmNCCL(_VllmTransport):
     """vLLM's NCCL trainer engine into vLLM engines elsewhere (see the module docstring)."""
 
     name = "vllm_nccl"
@@ -313,10 +330,7 @@ class VllmNCCL(Transport):
     def __init__(self, target, num_buffers: int = 2, device=None):
         import jax
 
-        require_weight_transfer()
         super().__init__(target)
-        self.ranks = int(getattr(target, "tensor_parallel_size", 1))
-        self.client = client_for(target, self.ranks)
         self.num_buffers, self.device = num_buffers, device or jax.local_devices()[0]
         self.engine, self._members, self._bucket = None, None, None
         self.source = None
@@ -344,19 +358,11 @@ class VllmNCCL(Transport):
                                                                 source=self.source)
         self._members, self._bucket = members, exporter.bucket_bytes
 
-    def send(self, exporter, version, check_digest=False):
-        if check_digest:
-            raise ValueError("vLLM's weight-transfer engines do not hash what they load: "
-                             "the probe check proves the weights (check_digest needs another "
-                             "transport)")
-        t0 = time.perf_counter()
+    def _send(self, exporter, version) -> int:
         self.init(exporter)
         self.source.exporter = exporter
-        self.client.version = version
         self.engine.send_weights()  # start, update concurrently with the broadcast, finish
-        sizes = [t.nbytes for t in self.source.specs()]
-        return {"sync/bytes": float(exporter.nbytes), "sync/seconds": time.perf_counter() - t0,
-                "sync/buckets": float(len(nccl_chunks(sizes, exporter.bucket_bytes)))}
+        return len(nccl_chunks([t.nbytes for t in self.source.specs()], exporter.bucket_bytes))
 
     def close(self):
         if self.engine is not None:
