@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         args.items += extra  # positional overrides after an option: `run R --set a=1 b=2`
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from posttrain import compile_cache
+
+    compile_cache.enable()  # before anything compiles; children inherit it
     try:
         if getattr(args, "early", None):  # e.g. device flags that must precede JAX's start
             args.early(args)

@@ -364,6 +364,33 @@ class RolloutSection(Strict):
         return None
 
 
+class ToolSpecSection(Strict):
+    fn: str = Field(description="built-in (calculator, python), module:function or "
+                    "path/to/file.py:function: type hints and docstring become its JSON schema")
+    name: str | None = Field(None, description="the name the model calls it by (default: fn's)")
+    kwargs: dict[str, Any] = Field({}, description="bound arguments the model does not see")
+
+
+class AgentSection(Strict):
+    """Multi-turn episodes (rollout.episodes): on when `tools` or `environment` is set."""
+
+    tools: list[ToolSpecSection] = []
+    environment: str | None = Field(None, description="module:Class or path/to/file.py:Class, "
+                                    "a rollout.episodes.Environment (instead of the tools one)")
+    environment_kwargs: dict[str, Any] = {}
+    parser: Literal["hermes"] = Field("hermes", description="the model's tool-call syntax")
+    max_turns: int = Field(4, gt=0, description="model turns per episode")
+    max_tokens: int = Field(256, gt=0, description="completion tokens per episode, model and "
+                            "environment together (each turn at most grpo.max_tokens)")
+    tool_timeout_s: float = Field(10.0, gt=0, description="per tool call")
+    tool_workers: int = Field(2, gt=0, description="tool worker processes")
+    max_calls_per_turn: int = Field(4, gt=0)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tools) or self.environment is not None
+
+
 class EvalSection(Strict):
     every: int = Field(0, ge=0, description="held-out evaluation every N steps (0: only at the end)")
     num_problems: int = Field(200, gt=0)
@@ -437,6 +464,7 @@ class RunConfig(Strict):
     rollout: RolloutSection = RolloutSection()
     async_: AsyncSection = Field(AsyncSection(), alias="async")  # `async` is a Python keyword
     eval: EvalSection = EvalSection()
+    agent: AgentSection = AgentSection()
     ray: RayConfig = RayConfig()
     trainer: TrainerSection = TrainerSection()
     plan: PlanSection = PlanSection()

@@ -45,11 +45,13 @@ from posttrain.rollouts import (
     build_batch,
     build_engines,
     evaluate,
+    make_environment,
     prompt_rows,
     sample_groups,
 )
 from posttrain.train.loop import prepare_tokenizer, resolve_model_config
 from posttrain.train.trainer import make_trainer
+from rollout.episodes import episode_metrics
 
 
 def sync_engine(engine, trainer, model_cfg, version: int, sleep_level: int, sync_opts: dict) -> dict:
@@ -96,9 +98,11 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
             start = meta["step"]
         tracker = None
         executor = None
+        env = None
         dog = watchdog.for_run(cfg, run_dir)
         last: dict = {}
         try:
+            env = make_environment(cfg)  # multi-turn episodes (tools), or None
             engine = build_engines(cfg, trainer, tokenizer, run_dir)
             # every sync ends with the engines scoring this probe against the trainer
             probe = probe_sequences(model_cfg.vocab_size, seed=cfg.seed) if r.probe else None
@@ -118,7 +122,7 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                                     logprobs=g.logprob_semantics,
                                     seed=cfg.seed * 1_000_003 + step * 101)
                 rollouts, all_rewards, adv_mask, scores, attempts, prompt_ids = sample_groups(
-                    cfg, engine, pool, prompts, tokenizer, sp, times)
+                    cfg, engine, pool, prompts, tokenizer, sp, times, env)
                 adv = G.ADVANTAGES[g.advantage](all_rewards, g.group_size) * adv_mask
                 return {"rollouts": rollouts, "rewards": all_rewards, "adv_mask": adv_mask,
                         "scores": scores, "attempts": attempts, "times": times,
@@ -130,7 +134,7 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
             tracker = Tracker(cfg, run_dir, t.steps, start)
             if start == 0:
                 with dog.waiting("the evaluation before step 1"):
-                    tracker.log(0, evaluate(cfg, engine, tokenizer, pool, eval_rows))
+                    tracker.log(0, evaluate(cfg, engine, tokenizer, pool, eval_rows, env))
             t0 = time.perf_counter()  # a step's wall time runs from the previous step's log
             with dog.waiting(f"rollouts and rewards for step {start + 1}"):
                 job = produce(start) if start < t.steps else None
@@ -163,11 +167,12 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                 m.update(job["scores"].metrics)
                 m.update(G.mismatch_metrics(logp_old, batch["logp_rollout"], batch["loss_mask"]))
                 m.update(step_metrics(rollouts, all_rewards, adv_mask, g.group_size, job["attempts"]))
+                m.update(episode_metrics(rollouts) | (env.metrics() if env is not None else {}))
                 m.update({"policy_version": float(step + 1), "time/step": time.perf_counter() - t0,
                           **sync})
                 if cfg.eval.every and (step + 1) % cfg.eval.every == 0 or step + 1 == t.steps:
                     with dog.waiting(f"evaluation at step {step + 1}"):
-                        m.update(evaluate(cfg, engine, tokenizer, pool, eval_rows))
+                        m.update(evaluate(cfg, engine, tokenizer, pool, eval_rows, env))
                 tracker.log(step + 1, m)
                 tracker.log_rows(step + 1, job["prompt_ids"])
                 t0 = time.perf_counter()
@@ -187,6 +192,8 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
             if tracker is not None:
                 tracker.close()
             trainer.close()
+            if env is not None:
+                env.close()
             if hasattr(engine, "shutdown"):
                 engine.shutdown()
     from posttrain.train.checkpoint import load_model_from_checkpoint

@@ -18,7 +18,7 @@ from posttrain.config import RunConfig
 def stage_accuracy(cfg: RunConfig, root: Path) -> dict:
     from posttrain.data.tokenizer import load_tokenizer
     from posttrain.models import from_pretrained
-    from posttrain.rollouts import encode_prompt, greedy_accuracy, prompt_rows
+    from posttrain.rollouts import encode_prompt, greedy_accuracy, make_environment, prompt_rows
     from rewards.pool import RewardPool
     from rollout.jax_engine import JaxEngine
 
@@ -31,11 +31,18 @@ def stage_accuracy(cfg: RunConfig, root: Path) -> dict:
     else:  # a pretrained model continues plain text: stop where the next document would start
         ids = [tok(r["prompt"] + " The answer is", add_special_tokens=False)["input_ids"] for r in rows]
         probe = {"stop": ("\n", "What"), "prefix": "The answer is"}
-    with RewardPool(cfg.rewards.model_copy(update={"dry_run": False})) as pool:
-        metrics, texts = greedy_accuracy(cfg.model_copy(update={"eval": cfg.eval.model_copy(
-            update={"max_tokens": cfg.eval.max_tokens or 12})}), engine, pool, rows, ids, **probe)
+    env = make_environment(cfg) if cfg.algorithm != "pretrain" else None  # tools at eval too
+    try:
+        with RewardPool(cfg.rewards.model_copy(update={"dry_run": False})) as pool:
+            metrics, texts = greedy_accuracy(cfg.model_copy(update={"eval": cfg.eval.model_copy(
+                update={"max_tokens": cfg.eval.max_tokens or 12})}), engine, pool, rows, ids,
+                env=env, tokenizer=tok, **probe)
+    finally:
+        if env is not None:
+            env.close()
     result = {"stage": cfg.name, "algorithm": cfg.algorithm, "accuracy": metrics["eval/accuracy"],
-              "problems": len(rows),
+              "problems": len(rows), **({"tool_call_rate": metrics["eval/with_tool_call"]}
+                                        if "eval/with_tool_call" in metrics else {}),
               "examples": [{"prompt": r["prompt"], "completion": t} for r, t in zip(rows[:3], texts)]}
     with (root / "stage_accuracy.jsonl").open("a") as f:
         f.write(json.dumps(result) + "\n")

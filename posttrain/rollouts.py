@@ -80,9 +80,52 @@ def encode_prompt(row: dict, tokenizer, chat: bool, idx: int, source: str = "dat
 
 
 def reward_columns(rows: list[dict], group: int, rollouts) -> dict:
+    """The dataset's columns per completion, its token ids, and for multi-turn episodes the
+    trajectory (`messages`, `turn_token_ids`, `num_tool_calls`: `rollout.episodes`)."""
+    from rollout.episodes import trajectory_columns
+
     cols = {k: [r[k] for r in rows for _ in range(group)] for k in rows[0] if k != "prompt"}
     cols["completion_ids"] = [r.token_ids for r in rollouts]
+    if rollouts and "turn_token_ids" in rollouts[0].extra:
+        cols.update(trajectory_columns(rollouts))
     return cols
+
+
+# ---- multi-turn ------------------------------------------------------------------------------------
+def make_environment(cfg: RunConfig):
+    """The recipe's environment (`agent`): a user's class, or the tools one; None: single turn."""
+    from rollout.episodes import Environment, ToolEnvironment, ToolSpec
+
+    a = cfg.agent
+    if not a.enabled:
+        return None
+    if a.environment is not None:
+        from rewards.registry import _load_file, _load_module
+
+        if ":" not in a.environment:
+            raise UserError(f"agent.environment: {a.environment!r} is not module:Class or "
+                            "path/to/file.py:Class")
+        target, attr = a.environment.rsplit(":", 1)
+        cls = _load_file(target, attr) if target.endswith(".py") else _load_module(target, attr)
+        env = cls(**a.environment_kwargs)
+        if not isinstance(env, Environment):
+            raise UserError(f"agent.environment: {a.environment} is not a subclass of "
+                            "rollout.episodes.Environment")
+        return env
+    return ToolEnvironment([ToolSpec(t.fn, dict(t.kwargs), t.name) for t in a.tools], a.parser,
+                           a.tool_timeout_s, a.tool_workers, a.max_calls_per_turn)
+
+
+def generate(cfg: RunConfig, engine, tokenizer, env, rows: list[dict], ids: list[list[int]], sp):
+    """One batch of rollouts: single-turn completions of `ids`, or with an environment whole
+    episodes of `rows` (`rollout.episodes.run_episodes`, one engine call per round)."""
+    if env is None:
+        return engine.generate(ids, sp)
+    from rollout.episodes import Limits, run_episodes
+
+    lim = Limits(max_turns=cfg.agent.max_turns, max_tokens=cfg.agent.max_tokens,
+                 max_turn_tokens=sp.max_tokens, seq_len=cfg.data.seq_len)
+    return run_episodes(engine, tokenizer, env, rows, sp, lim)
 
 
 # ---- the training batch ---------------------------------------------------------------------------
@@ -110,7 +153,7 @@ def build_batch(rollouts, advantages: np.ndarray, seq_len: int) -> dict[str, np.
         tokens[i, :n] = ids
         seg[i, :n] = 1
         k = max(0, n - p)
-        mask[i, p - 1:p - 1 + k] = 1.0
+        mask[i, p - 1:p - 1 + k] = r.loss_mask[:k] if r.loss_mask else 1.0
         lp_roll[i, p - 1:p - 1 + k] = r.logprobs[:k]
         kept[i, p - 1:p - 1 + min(k, len(r.kept_counts))] = r.kept_counts[:k]
     targets = np.zeros_like(tokens)
@@ -175,7 +218,8 @@ def build_engines(cfg: RunConfig, trainer, tokenizer, run_dir: Path):
 
 
 # ---- sampling a batch --------------------------------------------------------------------------
-def sample_groups(cfg: RunConfig, engine, pool, prompts: PromptIterator, tokenizer, sp, times: dict):
+def sample_groups(cfg: RunConfig, engine, pool, prompts: PromptIterator, tokenizer, sp, times: dict,
+                  env=None):
     """Generate and score `prompts_per_step` groups. With DAPO dynamic sampling, groups whose
     rewards are all equal (no signal) are dropped and more prompts are sampled, up to
     `max_attempts`; a batch still short is filled with zero-advantage copies so shapes stay
@@ -189,9 +233,10 @@ def sample_groups(cfg: RunConfig, engine, pool, prompts: PromptIterator, tokeniz
         rows = prompts.take(need)
         taken += prompts.last_ids
         ids = [encode_prompt(r, tokenizer, g.chat_template, i, cfg.data.source)
-               for i, r in zip(prompts.last_ids, rows)]
+               for i, r in zip(prompts.last_ids, rows)] if env is None else None
         t0 = time.perf_counter()
-        outs = engine.generate(ids, SamplingParams(**{**sp.__dict__, "seed": sp.seed + attempt}))
+        outs = generate(cfg, engine, tokenizer, env, rows, ids,
+                        SamplingParams(**{**sp.__dict__, "seed": sp.seed + attempt}))
         times["time/rollout"] = times.get("time/rollout", 0.0) + time.perf_counter() - t0
         t0 = time.perf_counter()
         last_scores = pool.score([r["prompt"] for r in rows for _ in range(g.group_size)],
@@ -228,7 +273,9 @@ def greedy_accuracy(cfg: RunConfig, engine, pool, rows: list[dict], prompt_ids: 
     from rollout.engine import SamplingParams
 
     faults.point("eval")
-    outs = engine.generate(prompt_ids, SamplingParams(
+    from rollout.episodes import episode_metrics
+
+    outs = generate(cfg, engine, tokenizer, env, rows, prompt_ids, SamplingParams(
         temperature=0.0, max_tokens=cfg.eval.max_tokens or cfg.grpo.max_tokens, stop=stop))
     texts = [prefix + o.text for o in outs]
     scores = pool.score([r["prompt"] for r in rows], texts, reward_columns(rows, 1, outs), 1)
@@ -237,10 +284,12 @@ def greedy_accuracy(cfg: RunConfig, engine, pool, rows: list[dict], prompt_ids: 
     metrics = {"eval/accuracy": float(correct.mean()),
                "eval/reward_mean": float(np.nanmean(scores.totals)),
                "eval/completion_len": float(np.mean([len(o.token_ids) for o in outs]))}
+    metrics.update({f"eval/{k.split('/', 1)[1]}": v for k, v in episode_metrics(outs).items()})
     return metrics, texts
 
 
-def evaluate(cfg: RunConfig, engine, tokenizer, pool, rows: list[dict]) -> dict:
+def evaluate(cfg: RunConfig, engine, tokenizer, pool, rows: list[dict], env=None) -> dict:
     ids = [encode_prompt(r, tokenizer, cfg.grpo.chat_template, i, cfg.data.eval_source or
-                         cfg.data.source) for i, r in enumerate(rows)]
-    return greedy_accuracy(cfg, engine, pool, rows, ids, stop=tuple(cfg.grpo.stop))[0]
+                         cfg.data.source) for i, r in enumerate(rows)] if env is None else None
+    return greedy_accuracy(cfg, engine, pool, rows, ids, stop=tuple(cfg.grpo.stop), env=env,
+                           tokenizer=tokenizer)[0]

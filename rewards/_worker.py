@@ -1,4 +1,4 @@
-"""The reward worker process's main loop. Kept free of heavy imports (no JAX): a spawned worker
+"""The reward (and tool) worker process's main loop. Kept free of heavy imports (no JAX): a spawned worker
 imports only this module and the reward functions it is asked to run."""
 
 from __future__ import annotations
@@ -17,9 +17,14 @@ def worker_main(conn) -> None:
             return
         if task is None:
             return
-        fn, adapter, kwargs, prompts, completions, columns = task
         try:
-            out = call(resolve(fn, adapter), prompts, completions, kwargs, columns)
+            if task[0] == "tool":  # one tool call: ("tool", spec, kwargs, arguments)
+                from rollout.tools import call_tool
+
+                out = call_tool(task[1], task[3], task[2])
+            else:
+                fn, adapter, kwargs, prompts, completions, columns = task
+                out = call(resolve(fn, adapter), prompts, completions, kwargs, columns)
             conn.send(("ok", out))
         except BaseException as e:  # noqa: BLE001 - user code may raise anything
             conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc(limit=4)))

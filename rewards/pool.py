@@ -56,30 +56,10 @@ class _Worker:
         self.conn.close()
 
 
-@dataclass
-class Scores:
-    totals: np.ndarray  # [N] weighted total per completion (NaN where dropped)
-    per_function: dict[str, np.ndarray]  # label -> [N] (NaN where None / failed)
-    keep: np.ndarray  # [N] bool: False for completions of dropped groups
-    metrics: dict[str, float] = field(default_factory=dict)
+class _Pool:
+    """Worker processes (`self._workers`) that are stopped together and replaced one by one."""
 
-
-class RewardPool:
-    def __init__(self, cfg: RewardsSection):
-        if not cfg.functions:
-            raise UserError("rewards.functions: at least one reward function is required")
-        self.cfg = cfg
-        from rewards.registry import resolve
-
-        for spec in cfg.functions:  # resolve now so that a bad spec fails at start-up, in the parent
-            resolve(spec.fn, spec.adapter)
-            if spec.fn == "code":  # refuse now, not on the first batch, if the sandbox cannot start
-                from rewards.sandbox import check_isolation, default_isolation
-
-                check_isolation(spec.kwargs.get("isolation", default_isolation()))
-        self._ctx = mp.get_context("spawn")
-        self._workers = [_Worker(self._ctx) for _ in range(min(cfg.num_workers, len(cfg.functions)))]
-        self.counts = {s.label: {"errors": 0, "timeouts": 0, "nans": 0} for s in cfg.functions}
+    _workers: list
 
     def close(self) -> None:
         for w in self._workers:
@@ -97,6 +77,36 @@ class RewardPool:
 
     def __exit__(self, *exc):
         self.close()
+
+    def _replace(self, i: int) -> None:
+        self._workers[i].kill()
+        self._workers[i] = _Worker(self._ctx)
+
+
+@dataclass
+class Scores:
+    totals: np.ndarray  # [N] weighted total per completion (NaN where dropped)
+    per_function: dict[str, np.ndarray]  # label -> [N] (NaN where None / failed)
+    keep: np.ndarray  # [N] bool: False for completions of dropped groups
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class RewardPool(_Pool):
+    def __init__(self, cfg: RewardsSection):
+        if not cfg.functions:
+            raise UserError("rewards.functions: at least one reward function is required")
+        self.cfg = cfg
+        from rewards.registry import resolve
+
+        for spec in cfg.functions:  # resolve now so that a bad spec fails at start-up, in the parent
+            resolve(spec.fn, spec.adapter)
+            if spec.fn == "code":  # refuse now, not on the first batch, if the sandbox cannot start
+                from rewards.sandbox import check_isolation, default_isolation
+
+                check_isolation(spec.kwargs.get("isolation", default_isolation()))
+        self._ctx = mp.get_context("spawn")
+        self._workers = [_Worker(self._ctx) for _ in range(min(cfg.num_workers, len(cfg.functions)))]
+        self.counts = {s.label: {"errors": 0, "timeouts": 0, "nans": 0} for s in cfg.functions}
 
     # ---- one batch -------------------------------------------------------------------------
     def _run_all(self, prompts, completions, columns) -> dict[str, tuple[str, object]]:
@@ -123,10 +133,6 @@ class RewardPool:
                     results[spec.label] = ("timeout", f"no result within {self.cfg.timeout_s}s")
                     self._replace(i)
         return results
-
-    def _replace(self, i: int) -> None:
-        self._workers[i].kill()
-        self._workers[i] = _Worker(self._ctx)
 
     def score(self, prompts: list, completions: list, columns: dict, group_size: int = 1) -> Scores:
         n = len(completions)
@@ -209,3 +215,48 @@ def group_metrics(totals: np.ndarray, keep: np.ndarray, group_size: int, thresho
         out["groups/none_solved"] = float((~solved).all(1).mean())
         out["groups/zero_variance"] = float((g.std(1) == 0).mean())
     return out
+
+
+class ToolPool(_Pool):
+    """Tool calls of the policy in worker processes, `num_workers` at a time, each with its own
+    deadline of `timeout_s`: a call that raises gives ("error", why), one that hangs (its worker
+    is killed and replaced) ("timeout", why); nothing a tool does stops the batch."""
+
+    def __init__(self, num_workers: int, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._ctx = mp.get_context("spawn")
+        self._workers = [_Worker(self._ctx) for _ in range(num_workers)]
+
+    def run(self, calls: list[tuple[str, dict, dict]]) -> list[tuple[str, str]]:
+        """(spec, kwargs, arguments) per call -> (status, text) per call, in order."""
+        from multiprocessing.connection import wait
+
+        results: list = [None] * len(calls)
+        todo = list(range(len(calls)))[::-1]
+        busy: dict[int, tuple[int, float]] = {}  # worker -> (call, deadline)
+        while todo or busy:
+            for w in range(len(self._workers)):
+                if w not in busy and todo:
+                    i = todo.pop()
+                    self._workers[w].wait_ready()
+                    spec, kwargs, arguments = calls[i]
+                    self._workers[w].conn.send(("tool", spec, kwargs, arguments))
+                    busy[w] = (i, time.monotonic() + self.timeout_s)
+            nearest = min(d for _, d in busy.values())
+            ready = wait([self._workers[w].conn for w in busy], max(0.0, nearest - time.monotonic()))
+            for w in list(busy):
+                i, deadline = busy[w]
+                if self._workers[w].conn in ready:
+                    try:
+                        msg = self._workers[w].conn.recv()
+                        results[i] = (msg[0], msg[1] if msg[0] == "ok" else str(msg[1]))
+                    except (EOFError, OSError):
+                        results[i] = ("error", "the tool's worker process died")
+                        self._replace(w)
+                    del busy[w]
+                elif time.monotonic() >= deadline:
+                    results[i] = ("timeout", f"no result within {self.timeout_s:g}s")
+                    self._replace(w)
+                    del busy[w]
+        return results
+

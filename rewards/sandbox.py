@@ -623,6 +623,30 @@ def check_isolation(isolation: str) -> None:
                       "use it only with trusted code", SandboxWarning, stacklevel=2)
 
 
+def _harness(code: str, sent: list, isolation: str, limits: Limits, audit_hook: bool):
+    """Run the harness on `code` against `sent` (what the sandbox may see of the tests):
+    ([(why, stdout)] per test, None), or (None, (status, error)) when the harness itself was
+    killed (by the code, or at the wall limit)."""
+    _check_name(isolation)
+    if isolation == "os" and (reason := unavailable_reason()):
+        raise SandboxUnavailable(reason)
+    out, err, timed_out, rc = _launch(isolation, limits, code, sent, audit_hook,
+                                      cap=8 * len(sent) * limits.output_kb * 1024 + 65536)
+    try:
+        results = ast.literal_eval(out.decode())  # plain literals only, never code
+        assert isinstance(results, list) and len(results) == len(sent)
+    except (ValueError, SyntaxError, AssertionError, MemoryError, RecursionError, TypeError):
+        if err.startswith(b"bwrap:"):  # the sandbox itself did not start: loud, never a silent 0
+            raise RuntimeError(f"the code sandbox failed to start: {err.decode(errors='replace')}")
+        status = "timeout" if timed_out or rc in (-signal.SIGXCPU, -signal.SIGKILL) else "crashed"
+        return None, (status, err.decode(errors="replace")[-300:])
+    return results, None
+
+
+def _limits(timeout_s: float, memory_mb: int, limits: Limits | None) -> Limits:
+    return limits or Limits(wall_s=timeout_s, cpu_s=max(1, int(timeout_s)), memory_mb=memory_mb)
+
+
 def run_tests(code: str, tests: list, *, timeout_s: float = 5.0, memory_mb: int = 512,
               isolation: str = "os", limits: Limits | None = None,
               audit_hook: bool = True) -> SandboxResult:
@@ -634,27 +658,36 @@ def run_tests(code: str, tests: list, *, timeout_s: float = 5.0, memory_mb: int 
     tests = list(tests or [])
     if not tests:
         return SandboxResult(0, 0, "ok", ["no tests"])
-    _check_name(isolation)
-    if isolation == "os" and (reason := unavailable_reason()):
-        raise SandboxUnavailable(reason)
-    limits = limits or Limits(wall_s=timeout_s, cpu_s=max(1, int(timeout_s)), memory_mb=memory_mb)
     # The sandbox gets each stdin/stdout test's input only; its output is compared here.
     sent = [{"input": str(t.get("input", ""))} if isinstance(t, dict) else str(t) for t in tests]
-    out, err, timed_out, rc = _launch(isolation, limits, code, sent, audit_hook,
-                                      cap=8 * len(tests) * limits.output_kb * 1024 + 65536)
-    try:
-        results = ast.literal_eval(out.decode())  # plain literals only, never code
-        assert isinstance(results, list) and len(results) == len(tests)
-    except (ValueError, SyntaxError, AssertionError, MemoryError, RecursionError, TypeError):
-        if err.startswith(b"bwrap:"):  # the sandbox itself did not start: loud, never a silent 0
-            raise RuntimeError(f"the code sandbox failed to start: {err.decode(errors='replace')}")
-        # the harness was killed (by the code, or at the wall limit)
-        status = "timeout" if timed_out or rc in (-signal.SIGXCPU, -signal.SIGKILL) else "crashed"
-        return SandboxResult(0, len(tests), status, [err.decode(errors="replace")[-300:]])
+    results, failed = _harness(code, sent, isolation, _limits(timeout_s, memory_mb, limits),
+                               audit_hook)
+    if failed:
+        return SandboxResult(0, len(tests), failed[0], [failed[1]])
     whys = [judge(t, why, stdout) for t, (why, stdout) in zip(tests, results)]
     errors = [w for w in whys if w is not None][:5]
     status = "timeout" if "timeout" in whys else "ok"
     return SandboxResult(whys.count(None), len(tests), status, errors)
+
+
+@dataclass
+class ProgramRun:
+    status: str  # ok | error (it raised or exited non-zero) | timeout | crashed
+    stdout: str
+    error: str | None = None
+
+
+def run_program(code: str, stdin: str = "", *, timeout_s: float = 5.0, memory_mb: int = 512,
+                isolation: str | None = None, limits: Limits | None = None) -> ProgramRun:
+    """Run one program in the sandbox and return what it printed (the `python` tool): the same
+    containment and limits as `run_tests`, with `isolation` defaulting to the machine's best."""
+    results, failed = _harness(code, [{"input": stdin}], isolation or default_isolation(),
+                               _limits(timeout_s, memory_mb, limits), True)
+    if failed:
+        return ProgramRun(failed[0], "", failed[1])
+    why, stdout = results[0]
+    return ProgramRun("ok" if why is None else ("timeout" if why == "timeout" else "error"),
+                      str(stdout or ""), why)
 
 
 def judge(test, why: str | None, stdout: str | None) -> str | None:

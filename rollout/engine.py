@@ -55,6 +55,9 @@ class Rollout:
     extra: dict[str, Any] = field(default_factory=dict)
     # per completion token: tokens kept by top-k / top-p there (empty: the whole vocabulary)
     kept_counts: list[int] = field(default_factory=list)
+    # per completion token: 1 where the engine sampled it, 0 on tokens an environment wrote in a
+    # multi-turn episode (context, not trained on); empty: every token is sampled
+    loss_mask: list[int] = field(default_factory=list)
 
 
 class RolloutEngine(Protocol):

@@ -12,11 +12,24 @@ EOS = "<|endoftext|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL = [EOS, IM_START, IM_END]
 # ChatML, as Qwen uses; {% generation %} marks assistant tokens for return_assistant_tokens_mask.
+# With `tools`, a system turn lists their JSON schemas first; an assistant message's `tool_calls`
+# are written as Qwen3 / Hermes `<tool_call>` blocks (what `rollout.tools.parse_hermes` reads) and
+# a `tool` message is its own turn. Earlier turns are rendered verbatim: the template is prefix-
+# stable, so a multi-turn episode's tokens are the template's (`rollout.episodes`).
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\n<tools>\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ '</tools><|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' }}"
     "{% if message['role'] == 'assistant' %}{% generation %}"
-    "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{{ message['content'] or '' }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{% set f = call['function'] if 'function' in call else call %}"
+    "{{ '<tool_call>\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
+    "{{ (f['arguments'] if f['arguments'] is string else f['arguments'] | tojson) + '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
     "{% else %}{{ message['content'] + '<|im_end|>' + '\n' }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"

@@ -1,0 +1,38 @@
+"""The persistent compilation cache every posttrain command turns on (posttrain/compile_cache.py)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from posttrain.compile_cache import cache_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_cache_directory_is_chosen_in_order_and_can_be_turned_off(tmp_path):
+    assert cache_dir({"POSTTRAIN_COMPILE_CACHE": str(tmp_path)}) == tmp_path
+    for off in ("off", "0", "OFF", ""):
+        assert cache_dir({"POSTTRAIN_COMPILE_CACHE": off, "JAX_COMPILATION_CACHE_DIR": "/x"}) is None
+    assert cache_dir({"JAX_COMPILATION_CACHE_DIR": "/x/jax"}) == Path("/x/jax")
+    assert cache_dir({"XDG_CACHE_HOME": "/c"}) == Path("/c/posttrain/jax")
+
+
+def _compile_in_a_fresh_process(environ: dict) -> subprocess.CompletedProcess:
+    code = ("from posttrain import compile_cache; compile_cache.enable(); import jax, os; "
+            "jax.jit(lambda x: x * 2 + 1)(1.0).block_until_ready(); "
+            "print(os.environ.get('JAX_COMPILATION_CACHE_DIR'))")
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("POSTTRAIN_COMPILE_CACHE", "JAX_COMPILATION_CACHE_DIR")}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env={**env, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **environ},
+                          timeout=120, check=True)
+
+
+def test_compiled_programs_are_written_there_and_children_inherit_it(tmp_path):
+    cache = tmp_path / "xla"
+    r = _compile_in_a_fresh_process({"POSTTRAIN_COMPILE_CACHE": str(cache)})
+    assert r.stdout.strip() == str(cache)  # in the environment: Ray workers and hosts share it
+    assert any(cache.iterdir())
+    off = _compile_in_a_fresh_process({"POSTTRAIN_COMPILE_CACHE": "off",
+                                       "XDG_CACHE_HOME": str(tmp_path / "home")})
+    assert off.stdout.strip() == "None" and not (tmp_path / "home").exists()
