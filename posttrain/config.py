@@ -76,9 +76,10 @@ class ModelSection(Strict):
 
 
 class GeneratedData(Strict):
-    """Data the code generates (no download): arithmetic problems 'What is a + b?'."""
+    """Data the code generates (no download): arithmetic problems 'What is a + b?', or the
+    calculator task's two-digit products 'What is 37 * 48?' with a calculator tool."""
 
-    kind: Literal["arithmetic"] = "arithmetic"
+    kind: Literal["arithmetic", "calculator"] = "arithmetic"
     num_train: int = Field(20000, gt=0)
     num_eval: int = Field(500, gt=0)
     max_operand: int = Field(99, gt=0)
@@ -86,6 +87,8 @@ class GeneratedData(Strict):
     seed: int = 0
     worked: float = Field(0.0, ge=0, le=1, description="share of rows whose answer is worked out "
                           "column by column before 'The answer is N.' (posttrain.data.generated)")
+    tool_share: float = Field(0.2, ge=0, le=1, description="calculator task: share of SFT chats "
+                              "that call the calculator (posttrain.data.generated.calculator_rows)")
 
 
 class DataSection(Strict):
@@ -742,10 +745,29 @@ def cross_check(cfg: RunConfig, num_devices: int, *, produced_by_earlier_stage: 
                             f"({g.max_tokens}) plus the prompt")
     if cfg.algorithm == "grpo":
         check_rollout_devices(cfg, num_devices, prefix)
+    check_agent(cfg.agent, prefix)
     if cfg.model.lora.rank and cfg.model.quantization == "int8":
         raise UserError(f"{prefix}model.quantization: int8 QAT and LoRA do not combine; for a "
                         "frozen int8 base use model.lora.int8_base: true")
     return shape
+
+
+def check_agent(a: AgentSection, prefix: str = "") -> None:
+    """Every tool resolves and has a JSON schema (type hints and docstring), now rather than at
+    the first rollout; one environment source."""
+    if a.environment is not None and a.tools:
+        raise UserError(f"{prefix}agent: set tools or environment, not both (an environment "
+                        "offers its own tools through its `tools` attribute)")
+    if a.environment is not None and ":" not in a.environment:
+        raise UserError(f"{prefix}agent.environment: {a.environment!r} is not module:Class or "
+                        "path/to/file.py:Class")
+    from rollout.tools import resolve_tool, tool_schema
+
+    for j, t in enumerate(a.tools):
+        try:
+            tool_schema(resolve_tool(t.fn), t.fn, tuple(t.kwargs))
+        except UserError as e:
+            raise UserError(f"{prefix}agent.tools.{j}.fn: {e}") from None
 
 
 def _looks_like_path(value: str) -> bool:

@@ -61,16 +61,21 @@ def write_report(stages: list[RunConfig], root: Path, seconds: dict[str, float])
         for line in path.read_text().splitlines():
             row = json.loads(line)
             acc[row["stage"]] = row
-    lines = ["| stage | algorithm | steps | final train loss / reward | held-out accuracy (greedy) | minutes |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    tools = any("tool_call_rate" in r for r in acc.values())  # a multi-turn recipe
+    lines = ["| stage | algorithm | steps | final train loss / reward | held-out accuracy (greedy) | "
+             + ("tool-call rate | " if tools else "") + "minutes |",
+             "| --- | --- | --- | --- | --- | " + ("--- | " if tools else "") + "--- |"]
     for cfg in stages:
         m = [json.loads(x) for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
         last = m[-1] if m else {}
         val = f"reward {last.get('reward_mean', float('nan')):.3f}" if cfg.algorithm == "grpo" \
             else f"loss {last.get('loss', float('nan')):.3f}"
         a = acc.get(cfg.name, {}).get("accuracy")
+        rate = acc.get(cfg.name, {}).get("tool_call_rate")
         lines.append(f"| {cfg.name} | {cfg.algorithm} | {cfg.train.steps} | {val} | "
-                     f"{'' if a is None else f'{100 * a:.1f}%'} | {seconds.get(cfg.name, 0) / 60:.1f} |")
+                     f"{'' if a is None else f'{100 * a:.1f}%'} | "
+                     + (f"{'' if rate is None else f'{100 * rate:.1f}%'} | " if tools else "")
+                     + f"{seconds.get(cfg.name, 0) / 60:.1f} |")
     (root / "summary.md").write_text("\n".join(lines) + "\n")
 
     rl = [c for c in stages if c.algorithm == "grpo"]
@@ -88,8 +93,16 @@ def write_report(stages: list[RunConfig], root: Path, seconds: dict[str, float])
             ax[1].axhline(100 * acc[name]["accuracy"], ls=style, c="gray", label=f"after {name}")
     ax[1].set(title="held-out accuracy (greedy)", xlabel="GRPO step", ylabel="%")
     ax[1].legend(fontsize=8)
-    lens = [(r["step"], r["completion_len/mean"]) for r in m if r.get("completion_len/mean") is not None]
-    ax[2].plot([s for s, _ in lens], [n for _, n in lens], lw=1)
-    ax[2].set(title="GRPO: mean completion length", xlabel="step", ylabel="tokens")
+    calls = [(r["step"], r["episodes/with_tool_call"]) for r in m if "episodes/with_tool_call" in r]
+    if calls:  # a multi-turn recipe: how often the policy calls a tool
+        ax[2].plot([s for s, _ in calls], [100 * c for _, c in calls], lw=1, label="sampled episodes")
+        ev = [(r["step"], r["eval/with_tool_call"]) for r in m if "eval/with_tool_call" in r]
+        ax[2].plot([s for s, _ in ev], [100 * c for _, c in ev], marker="o", label="held-out (greedy)")
+        ax[2].set(title="GRPO: episodes that call a tool", xlabel="step", ylabel="%")
+        ax[2].legend(fontsize=8)
+    else:
+        lens = [(r["step"], r["completion_len/mean"]) for r in m if r.get("completion_len/mean") is not None]
+        ax[2].plot([s for s, _ in lens], [n for _, n in lens], lw=1)
+        ax[2].set(title="GRPO: mean completion length", xlabel="step", ylabel="tokens")
     fig.tight_layout()
     fig.savefig(root / "progress.png", dpi=110)

@@ -58,7 +58,7 @@ def prompt_rows(cfg: RunConfig, split: str, n: int | None = None) -> list[dict]:
     if cfg.data.source == "generated":
         g = cfg.data.generated
         count = n or (g.num_train if split == "train" else g.num_eval)
-        return generated.prompt_completion_rows(split, count, g.max_operand, g.seed, g.eval_fraction)
+        return generated.rows_for(g, "prompt_completion", split, count)
     rows = load_rows(cfg.data.eval_source or cfg.data.source if split == "eval" else cfg.data.source,
                      split, cfg.data)
     return [dict(rows[i]) for i in range(min(len(rows), n or len(rows)))]
@@ -265,7 +265,8 @@ def sample_groups(cfg: RunConfig, engine, pool, prompts: PromptIterator, tokeniz
 
 # ---- evaluation ----------------------------------------------------------------------------------
 def greedy_accuracy(cfg: RunConfig, engine, pool, rows: list[dict], prompt_ids: list[list[int]],
-                    *, stop: tuple[str, ...] = (), prefix: str = "") -> tuple[dict, list[str]]:
+                    *, stop: tuple[str, ...] = (), prefix: str = "", env=None,
+                    tokenizer=None) -> tuple[dict, list[str]]:
     """Greedy completions of held-out rows, scored by the reward pool; 'correct' means the reward
     named by `eval.reward` (default: the first) reaches 1. `prefix` is prepended to each
     completion before scoring (a plain-text probe whose prompt ends mid-sentence)."""

@@ -101,7 +101,7 @@ class ToolEnvironment(Environment):
         self.tools = []
         for t in tools:
             f = resolve_tool(t.fn)
-            schema = tool_schema(f, t.fn)
+            schema = tool_schema(f, t.fn, tuple(t.kwargs))
             name = t.name or schema["function"]["name"]
             schema["function"]["name"] = name
             if name in self.specs:

@@ -144,16 +144,25 @@ def resolve_tool(fn: str) -> Callable:
     return f
 
 
-def tool_schema(f: Callable, spec: str) -> dict:
-    """The JSON schema the chat template shows for a tool (from its type hints and docstring)."""
+def tool_schema(f: Callable, spec: str, bound: tuple[str, ...] = ()) -> dict:
+    """The JSON schema the chat template shows for a tool (from its type hints and docstring),
+    without the `bound` parameters (the recipe's kwargs: the model never sees them)."""
     from transformers.utils import get_json_schema
 
     try:
-        return get_json_schema(f)
+        schema = get_json_schema(f)
     except Exception as e:  # DocstringParsingException, TypeHintParsingException
         raise UserError(f"tool {spec}: cannot build its JSON schema: {e}. A tool needs type hints "
                         "and a docstring with a description and an `Args:` line per parameter "
                         "(Google style)") from None
+    params = schema["function"].get("parameters", {})
+    for name in bound:
+        if name not in params.get("properties", {}):
+            raise UserError(f"tool {spec}: kwargs names {name!r}, which is not a parameter")
+        del params["properties"][name]
+        if name in params.get("required", []):
+            params["required"].remove(name)
+    return schema
 
 
 def call_tool(fn: str, arguments: dict, kwargs: dict) -> str:

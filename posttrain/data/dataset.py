@@ -63,7 +63,7 @@ def load_rows(source: str, split: str, data: DataSection):
     if source == "generated":
         g = data.generated
         n = g.num_train if split == "train" else g.num_eval
-        return generated.rows(data.format, split, n, g.max_operand, g.seed, g.eval_fraction, g.worked)
+        return generated.rows_for(g, data.format, split, n)
     p = Path(source)
     split = data.split if split == "train" else data.eval_split
     try:
@@ -141,27 +141,40 @@ class Encoder:
 
     # ---- chat ------------------------------------------------------------------------------
     def check_messages(self, row: dict, idx: int) -> list[dict]:
+        """The row's conversation, checked: roles in a valid order (system first if any, then
+        user; an assistant turn after a user or tool message; `tool` messages after an assistant
+        turn that calls tools), non-empty content (an assistant turn with `tool_calls` may have
+        none), ending with an assistant turn."""
         msgs = row.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise self.bad(idx, "missing or empty 'messages' field")
         for j, m in enumerate(msgs):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            if not isinstance(m, dict) or "role" not in m or ("content" not in m and not m.get("tool_calls")):
                 raise self.bad(idx, f"messages[{j}] needs 'role' and 'content'")
-            if m["role"] not in ("system", "user", "assistant"):
+            if m["role"] not in ("system", "user", "assistant", "tool"):
                 raise self.bad(idx, f"messages[{j}]: unknown role {m['role']!r}")
-            if not isinstance(m["content"], str) or not m["content"].strip():
+            calls = m["role"] == "assistant" and m.get("tool_calls")
+            if not calls and (not isinstance(m.get("content"), str) or not m["content"].strip()):
                 raise self.bad(idx, f"messages[{j}] ({m['role']}): empty content")
         turns = msgs[1:] if msgs[0]["role"] == "system" else msgs
+        after = {"user": ("assistant",), "assistant": ("user", "tool"), "tool": ("assistant", "tool")}
         for j, m in enumerate(turns):
-            want = "user" if j % 2 == 0 else "assistant"
-            if m["role"] != want:
-                raise self.bad(idx, f"wrong role order: expected {want} at turn {j}, got {m['role']}")
+            prev = turns[j - 1] if j else None
+            ok = m["role"] == "user" if prev is None else prev["role"] in after.get(m["role"], ())
+            if ok and m["role"] == "tool" and prev["role"] == "assistant":
+                ok = bool(prev.get("tool_calls")) or "<tool_call>" in (prev.get("content") or "")
+            if not ok:
+                want = "user" if prev is None else {"user": "assistant", "assistant": "user or tool",
+                                                    "tool": "assistant or tool"}[prev["role"]]
+                raise self.bad(idx, f"wrong role order: expected {want} at turn {j}, got {m['role']}"
+                               + (" (a tool message answers an assistant turn that calls a tool)"
+                                  if m["role"] == "tool" else ""))
         if turns[-1]["role"] != "assistant":
             raise self.bad(idx, "the conversation must end with an assistant message")
         return msgs
 
-    def _render_len(self, msgs: list[dict], add_generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(msgs, tokenize=False,
+    def _render_len(self, msgs: list[dict], add_generation_prompt: bool, tools=None) -> list[int]:
+        text = self.tokenizer.apply_chat_template(msgs, tools=tools or None, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -169,16 +182,19 @@ class Encoder:
         """Render with the tokenizer's chat template; mask the assistant turns' tokens.
 
         Turn boundaries come from rendering growing prefixes (template-agnostic: works for
-        templates without {% generation %} markers, such as Qwen's)."""
+        templates without {% generation %} markers, such as Qwen's). A `tools` column (JSON
+        schemas, as in HF tool-calling datasets) is shown by the template; tool messages are
+        context, never trained on."""
         msgs = self.check_messages(row, idx)
-        ids = self._render_len(msgs, False)
+        tools = row.get("tools")
+        ids = self._render_len(msgs, False, tools)
         mask = [0] * len(ids)
         assistant = [j for j, m in enumerate(msgs) if m["role"] == "assistant"]
         if self.data.loss_on == "last_turn":
             assistant = assistant[-1:]
         for j in assistant:
-            start = len(self._render_len(msgs[:j], True))
-            end = min(len(self._render_len(msgs[: j + 1], False)), len(ids))
+            start = len(self._render_len(msgs[:j], True, tools))
+            end = min(len(self._render_len(msgs[: j + 1], False, tools)), len(ids))
             # the separator a template puts after the end-of-turn token is not the reply's
             while end > start and not self.tokenizer.decode(ids[end - 1:end]).strip():
                 end -= 1

@@ -36,7 +36,7 @@ class Problem:
 
     @property
     def answer(self) -> int:
-        return self.a + self.b if self.op == "+" else self.a - self.b
+        return {"+": self.a + self.b, "-": self.a - self.b, "*": self.a * self.b}[self.op]
 
     def worked(self) -> str:
         """The column-by-column working that ends in the answer (see the module docstring)."""
@@ -76,15 +76,20 @@ def is_held_out(p: Problem, eval_fraction: float = 0.1) -> bool:
     return int.from_bytes(h[:4], "little") / 2**32 < eval_fraction
 
 
-def all_problems(max_operand: int) -> list[Problem]:
+def all_problems(max_operand: int, kind: str = "arithmetic") -> list[Problem]:
+    if kind == "calculator":  # two-digit products: beyond a tiny model's head, easy for a tool
+        lo = min(10, max_operand)
+        return [Problem(a, b, "*") for a in range(lo, max_operand + 1) for b in range(lo, max_operand + 1)]
     return [Problem(a, b, op) for a in range(max_operand + 1) for b in range(max_operand + 1)
             for op in "+-"]
 
 
-def problems(split: str, n: int, max_operand: int, seed: int, eval_fraction: float = 0.1) -> list[Problem]:
+def problems(split: str, n: int, max_operand: int, seed: int, eval_fraction: float = 0.1,
+             kind: str = "arithmetic") -> list[Problem]:
     """`n` problems of `split` ('train' or 'eval'): eval draws without replacement (at most the
     whole held-out pool), train samples with replacement when n exceeds its pool."""
-    pool = [p for p in all_problems(max_operand) if is_held_out(p, eval_fraction) == (split == "eval")]
+    pool = [p for p in all_problems(max_operand, kind)
+            if is_held_out(p, eval_fraction) == (split == "eval")]
     rng = random.Random(f"{seed}-{split}")
     if split == "eval":
         return rng.sample(pool, min(n, len(pool)))
@@ -134,8 +139,72 @@ def rows(fmt: str, split: str, n: int, max_operand: int, seed: int,
         fmt](split, n, max_operand, seed, eval_fraction, worked)
 
 
-def corpus_for_tokenizer(max_operand: int) -> list[str]:
-    """Text covering every surface form the tokenizer must handle (all numbers, both ops)."""
+# ---- the calculator task: multiplication, and a tool that does it ----------------------------------
+def tool_chat(p: Problem, mode: str) -> dict:
+    """An SFT chat for `p`: `mode` "call" (the calculator is offered and called, its result
+    read back), "offered" (offered, the answer given straight) or "plain" (no tools)."""
+    from posttrain.data.tokenizer import calculator_schema
+
+    user = {"role": "user", "content": p.question}
+    # a straight answer restates the problem first (which teaches the copying a tool call needs)
+    final = {"role": "assistant", "content": f"{p.a} * {p.b} = {p.answer}. The answer is {p.answer}."}
+    if mode == "plain":
+        return {"messages": [user, final], "answer": str(p.answer)}
+    msgs = [user, final]
+    if mode == "call":
+        call = {"type": "function", "function": {"name": "calculator",
+                                                 "arguments": {"expression": f"{p.a} * {p.b}"}}}
+        msgs = [user, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "calculator", "content": str(p.answer)},
+                {"role": "assistant", "content": f"The answer is {p.answer}."}]
+    return {"messages": msgs, "tools": [calculator_schema()], "answer": str(p.answer)}
+
+
+def calculator_rows(fmt: str, split: str, n: int, max_operand: int, seed: int,
+                    eval_fraction: float, tool_share: float) -> list[dict]:
+    """The calculator task's rows. SFT chats (`messages`): a share `tool_share` call the
+    calculator; of the rest, half are offered it and answer straight, half are plain chats (so
+    that a recipe can also run without the tool). Prompts (`prompt_completion`): the question."""
+    probs = problems(split, n, max_operand, seed, eval_fraction, "calculator")
+    if fmt == "prompt_completion":
+        return [{"prompt": p.question, "completion": f" The answer is {p.answer}.",
+                 "answer": str(p.answer)} for p in probs]
+    if fmt != "messages":
+        raise ValueError("the calculator task has chats (messages) and prompts (prompt_completion)")
+    rng = random.Random(f"{seed}-{split}-tools")
+    out = []
+    for p in probs:
+        u = rng.random()
+        out.append(tool_chat(p, "call" if u < tool_share else
+                             "offered" if u < tool_share + (1 - tool_share) / 2 else "plain"))
+    return out
+
+
+def rows_for(g, fmt: str, split: str, n: int) -> list[dict]:
+    """The rows of the generated task `g` (a `GeneratedData` section)."""
+    if g.kind == "calculator":
+        return calculator_rows(fmt, split, n, g.max_operand, g.seed, g.eval_fraction, g.tool_share)
+    return rows(fmt, split, n, g.max_operand, g.seed, g.eval_fraction, g.worked)
+
+
+def corpus_for_tokenizer(max_operand: int, kind: str = "arithmetic") -> list[str]:
+    """Text covering every surface form the tokenizer must handle (all numbers, both ops; for
+    the calculator task, its chats with the tool's schema and calls, rendered)."""
+    if kind == "calculator":
+        import json
+
+        import jinja2
+
+        from posttrain.data.tokenizer import CHAT_TEMPLATE
+
+        env = jinja2.Environment()
+        env.filters["tojson"] = json.dumps  # as transformers renders the template
+        t = env.from_string(CHAT_TEMPLATE.replace("{% generation %}", "").replace(
+            "{% endgeneration %}", ""))
+        chats = [tool_chat(p, m) for p in all_problems(max_operand, kind)[::97] for m in ("call", "offered")]
+        return corpus_for_tokenizer(max_operand) + [
+            t.render(messages=c["messages"], tools=c.get("tools"), add_generation_prompt=False)
+            for c in chats] + [p.text() for p in all_problems(max_operand, kind)[::7]]
     probs = all_problems(min(max_operand, 99))[:: 3]
     return [p.text() for p in probs] + [p.text(worked=True) for p in probs[1::4]] + [f"{i}" for i in range(-max_operand, 2 * max_operand + 1)] + [
         f"user\n{p.question}\nassistant\nThe answer is {p.answer}.\n" for p in probs[::5]] + [

@@ -36,6 +36,13 @@ CHAT_TEMPLATE = (
 )
 
 
+def calculator_schema() -> dict:
+    """The JSON schema of the built-in calculator tool, as the chat template shows it."""
+    from rollout.tools import calculator, tool_schema
+
+    return tool_schema(calculator, "calculator")
+
+
 def train_bpe(texts: list[str], vocab_size: int, out_dir: Path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

@@ -46,7 +46,7 @@ def prepare_tokenizer(cfg: RunConfig, run_dir: Path):
         return load_tokenizer(out)
     if cfg.data.source != "generated":
         raise UserError("tokenizer.path: required unless the data is generated or model.path has one")
-    texts = generated.corpus_for_tokenizer(cfg.data.generated.max_operand)
+    texts = generated.corpus_for_tokenizer(cfg.data.generated.max_operand, cfg.data.generated.kind)
     return train_bpe(texts, cfg.tokenizer.train_vocab_size, out)
 
 

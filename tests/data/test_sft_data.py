@@ -39,6 +39,25 @@ def test_assistant_mask_covers_exactly_the_replies(tok):
     assert all(every(CHAT, 0)[1])
 
 
+def test_tool_chats_show_the_tools_and_train_on_the_model_turns_only(tok):
+    """An SFT chat that calls a tool (HF's `tool_calls` / `tools` columns): the template shows
+    the schema and writes the call in the hermes syntax the rollout parser reads; the loss
+    covers the call and the answer, never the tool's result or the schema."""
+    from rollout.tools import format_hermes, parse_hermes
+
+    row = generated.tool_chat(generated.Problem(37, 48, "*"), "call")
+    data = DataSection(format="messages", seq_len=1024)  # this tokenizer has not seen the schema
+    ids, mask = Encoder(tok, data, "mem")(row, 0)
+    text = tok.decode(ids)
+    assert '<tools>\n{"type": "function", "function": {"name": "calculator"' in text
+    call = format_hermes("calculator", {"expression": "37 * 48"})
+    assert decode_masked(tok, ids, mask) == call + "<|im_end|>The answer is 1776.<|im_end|>"
+    assert [c.arguments for c in parse_hermes(text)] == [{"expression": "37 * 48"}]
+    assert "<|im_start|>tool\n1776<|im_end|>" in text
+    plain = generated.tool_chat(generated.Problem(37, 48, "*"), "plain")
+    assert "<tools>" not in tok.decode(Encoder(tok, data, "mem")(plain, 0)[0])
+
+
 def test_prompt_completion_mask(tok):
     enc = Encoder(tok, DataSection(format="prompt_completion"), "mem")
     ids, mask = enc({"prompt": "What is 2 + 3?", "completion": " The answer is 5."}, 0)
@@ -52,6 +71,9 @@ def test_prompt_completion_mask(tok):
      "empty content"),
     ({"messages": [{"role": "user", "content": "q"}]}, "must end with an assistant"),
     ({"messages": [{"role": "robot", "content": "q"}]}, "unknown role"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                   {"role": "tool", "content": "1"}, {"role": "assistant", "content": "b"}]},
+     "a tool message answers an assistant turn that calls a tool"),
 ])
 def test_bad_rows_name_file_and_row(tok, tmp_path, row, why):
     path = tmp_path / "train.jsonl"

@@ -166,7 +166,7 @@ def test_tool_failures_are_contained_counted_and_the_batch_goes_on(tiny):
     _, tok, _ = tiny
     tools = [ToolSpec("calculator"), ToolSpec("tests/tools_for_tests.py:divide"),
              ToolSpec("tests/tools_for_tests.py:wait"), ToolSpec("tests/tools_for_tests.py:exit_process"),
-             ToolSpec("python")]
+             ToolSpec("python"), ToolSpec("tests/tools_for_tests.py:lookup", {"table": {"x": 7}})]
     env = ToolEnvironment(tools, timeout_s=2.0, num_workers=2)
     try:
         turns = [format_hermes("calculator", {"expression": "37 * 48"}),
@@ -177,7 +177,8 @@ def test_tool_failures_are_contained_counted_and_the_batch_goes_on(tiny):
                  format_hermes("search", {"q": "x"}),  # unknown
                  format_hermes("python", {"code": "print(6 * 7)"}),  # the OS sandbox as a tool
                  "The answer is 7.",  # no call: the final answer
-                 format_hermes("divide", {"a": 9, "b": 3})]  # after all that, tools still run
+                 format_hermes("divide", {"a": 9, "b": 3}),  # after all that, tools still run
+                 format_hermes("lookup", {"key": "x"})]  # with the recipe's bound argument
         convs = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": t}] for t in turns]
         out = env.respond_batch([{}] * len(turns), convs)
         text = [o[0]["content"] if o else None for o in out]
@@ -187,14 +188,35 @@ def test_tool_failures_are_contained_counted_and_the_batch_goes_on(tiny):
         assert text[3] == "error: the tool's worker process died"
         assert text[4].startswith("error: the tool call is not valid JSON")
         assert text[5].startswith("error: no tool named 'search'")
-        assert text[6] == "42\n" and text[7] is None and text[8] == "3.0"
-        assert env.metrics() == {"tools/calls": 8.0, "tools/malformed": 1.0, "tools/unknown": 1.0,
+        assert text[6] == "42\n" and text[7] is None and text[8] == "3.0" and text[9] == "7"
+        assert env.metrics() == {"tools/calls": 9.0, "tools/malformed": 1.0, "tools/unknown": 1.0,
                                  "tools/errors": 2.0, "tools/timeouts": 1.0}
         # the schemas the template shows come from type hints and docstrings
         assert [t["function"]["name"] for t in env.tools] == ["calculator", "divide", "wait",
-                                                              "exit_process", "python"]
+                                                              "exit_process", "python", "lookup"]
+        assert list(env.tools[5]["function"]["parameters"]["properties"]) == ["key"]
         assert env.tools[1]["function"]["parameters"]["properties"]["b"] == {
             "type": "number", "description": "the divisor"}
         assert '"name": "calculator"' in render(tok, convs[0][:1], env.tools)
     finally:
         env.close()
+
+
+def test_an_environment_from_a_file_runs_episodes_and_a_bad_one_is_named(tiny):
+    from posttrain.config import RunConfig
+    from posttrain.errors import UserError
+    from posttrain.rollouts import make_environment
+    from rollout.jax_engine import JaxEngine
+
+    _, tok, model = tiny
+    cfg = RunConfig.model_validate({"agent": {
+        "environment": "tests/environments_for_tests.py:TryAgain",
+        "environment_kwargs": {"hint": "No. Once more."}}})
+    env = make_environment(cfg)
+    outs = run_episodes(JaxEngine(model, tok, seed=0), tok, env, ROWS, SP, LIMITS)
+    said = [m["content"] for o in outs for m in o.extra["messages"] if m["role"] == "user"]
+    assert "No. Once more." in said  # a random model is wrong, so it is told to try again
+    bad = RunConfig.model_validate({"agent": {
+        "environment": "tests/environments_for_tests.py:NotAnEnvironment"}})
+    with pytest.raises(UserError, match="not a subclass of rollout.episodes.Environment"):
+        make_environment(bad)
