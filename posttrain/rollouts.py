@@ -100,14 +100,11 @@ def make_environment(cfg: RunConfig):
     if not a.enabled:
         return None
     if a.environment is not None:
-        from rewards.registry import _load_file, _load_module
+        from posttrain.config import check_agent
+        from rewards.registry import load_object
 
-        if ":" not in a.environment:
-            raise UserError(f"agent.environment: {a.environment!r} is not module:Class or "
-                            "path/to/file.py:Class")
-        target, attr = a.environment.rsplit(":", 1)
-        cls = _load_file(target, attr) if target.endswith(".py") else _load_module(target, attr)
-        env = cls(**a.environment_kwargs)
+        check_agent(a)  # the spec's form, as `posttrain validate` checks it
+        env = load_object(a.environment)(**a.environment_kwargs)
         if not isinstance(env, Environment):
             raise UserError(f"agent.environment: {a.environment} is not a subclass of "
                             "rollout.episodes.Environment")

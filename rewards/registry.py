@@ -66,6 +66,12 @@ def _load_module(module: str, attr: str) -> RewardFn:
     return getattr(mod, attr)
 
 
+def load_object(spec: str):
+    """`path/to/file.py:name` or `package.module:name` (the caller checked the colon)."""
+    target, attr = spec.rsplit(":", 1)
+    return _load_file(target, attr) if target.endswith(".py") else _load_module(target, attr)
+
+
 def _load_entry_point(name: str) -> RewardFn | None:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
@@ -79,8 +85,7 @@ def resolve(fn: str, adapter: str = "none") -> RewardFn:
     if fn in builtins:
         f = builtins[fn]
     elif ":" in fn:
-        target, attr = fn.rsplit(":", 1)
-        f = _load_file(target, attr) if target.endswith(".py") else _load_module(target, attr)
+        f = load_object(fn)
     else:
         f = _load_entry_point(fn)
         if f is None:

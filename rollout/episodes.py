@@ -243,7 +243,7 @@ def run_episodes(engine, tokenizer, env: Environment, rows: list[dict], sp: Samp
             _take_answer(episodes[i], new, lim, tokenizer, env.tools)
         live = [i for i in live if episodes[i].finish is None]
         rnd += 1
-    return [_as_rollout(k // sp.n, e, tokenizer) for k, e in enumerate(episodes)]
+    return [_as_rollout(k // sp.n, e) for k, e in enumerate(episodes)]
 
 
 def _take_turn(e: Episode, out: Rollout, lim: Limits, ends: set[int], tokenizer) -> None:
@@ -291,7 +291,7 @@ def _take_answer(e: Episode, new: list[dict] | None, lim: Limits, tokenizer, too
     e.seen = full
 
 
-def _as_rollout(prompt_index: int, e: Episode, tokenizer) -> Rollout:
+def _as_rollout(prompt_index: int, e: Episode) -> Rollout:
     last = next((m["content"] for m in reversed(e.messages) if m["role"] == "assistant"), "")
     return Rollout(
         prompt_index=prompt_index, prompt_token_ids=e.prompt_ids, token_ids=e.ids,

@@ -129,7 +129,7 @@ def builtin_tools() -> dict[str, Callable]:
 
 def resolve_tool(fn: str) -> Callable:
     """A tool spec to its function (the same forms as a reward spec)."""
-    from rewards.registry import _load_file, _load_module
+    from rewards.registry import load_object
 
     builtins = builtin_tools()
     if fn in builtins:
@@ -137,8 +137,7 @@ def resolve_tool(fn: str) -> Callable:
     if ":" not in fn:
         raise UserError(f"tool {fn!r}: not a built-in ({', '.join(sorted(builtins))}), "
                         "module:function or file.py:function")
-    target, attr = fn.rsplit(":", 1)
-    f = _load_file(target, attr) if target.endswith(".py") else _load_module(target, attr)
+    f = load_object(fn)
     if not callable(f):
         raise UserError(f"tool {fn!r}: resolves to a non-callable {type(f).__name__}")
     return f
