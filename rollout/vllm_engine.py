@@ -34,6 +34,21 @@ from rollout.engine import Rollout, SamplingParams
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the model reachable in-process
 
 
+def cpu_kv_cache(gpu_memory_utilization: float) -> dict:
+    """On the CPU platform, the KV cache as an explicit size: `gpu_memory_utilization` of the
+    machine's memory. Left to itself, vLLM's CPU worker gives the cache that share *minus this
+    process's resident memory*, which, with the engine in the trainer's process (colocated, or
+    a long test session), is below zero and refuses to start. VLLM_CPU_KVCACHE_SPACE, where a
+    user set it, wins."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return {}
+    import psutil
+
+    return {"kv_cache_memory_bytes": int(gpu_memory_utilization * psutil.virtual_memory().total)}
+
+
 class VllmEngine:
     def __init__(self, model_dir: str, *, dtype: str = "float32", gpu_memory_utilization: float = 0.15,
                  tensor_parallel_size: int = 1, max_model_len: int | None = None, seed: int = 0,
@@ -54,6 +69,7 @@ class VllmEngine:
             extra["weight_transfer_config"] = {"backend": weight_transfer}
         if enable_sleep_mode:
             extra["enable_sleep_mode"] = True
+        extra.update(cpu_kv_cache(gpu_memory_utilization))
         self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed,
                        gpu_memory_utilization=gpu_memory_utilization,
                        tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,

@@ -54,9 +54,20 @@ def engine_of(kind, d, tok, model):
         from rollout.jax_engine import JaxEngine
 
         return JaxEngine(model, tok, seed=0), 1e-4
+    import psutil
+
     from rollout.vllm_engine import VllmEngine
 
-    return VllmEngine(str(d), max_model_len=256, gpu_memory_utilization=0.1, enforce_eager=True), 1e-3
+    # the engine shares this process with more resident memory than its share of the machine
+    # (as beside a colocated trainer, or late in a test session): the KV cache must not be sized
+    # as the share minus this process's memory, which is below zero (vLLM's CPU default)
+    util = 0.1
+    ballast = np.ones(int(util * psutil.virtual_memory().total / 8) + 2**27)
+    try:
+        return VllmEngine(str(d), max_model_len=256, gpu_memory_utilization=util,
+                          enforce_eager=True), 1e-3
+    finally:
+        del ballast
 
 
 @pytest.mark.parametrize("kind", ["jax", "vllm"])
