@@ -38,11 +38,11 @@ def cpu_kv_cache(gpu_memory_utilization: float) -> dict:
     """On the CPU platform, the KV cache as an explicit size: `gpu_memory_utilization` of the
     machine's memory. Left to itself, vLLM's CPU worker gives the cache that share *minus this
     process's resident memory*, which, with the engine in the trainer's process (colocated, or
-    a long test session), is below zero and refuses to start. VLLM_CPU_KVCACHE_SPACE, where a
-    user set it, wins."""
+    a long test session), is below zero and refuses to start. (VLLM_CPU_KVCACHE_SPACE, where a
+    user set it, still wins: vLLM's CPU platform applies it over this.)"""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu() or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+    if not current_platform.is_cpu():
         return {}
     import psutil
 
