@@ -28,7 +28,7 @@ quickstart: $(STAMP)
 	$(BIN)/posttrain run recipes/quickstart.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q --durations=40
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/train_step.py
