@@ -2,9 +2,11 @@
 
 One jitted function does the whole generation: a prefill of the (right-padded) prompts into the
 KV cache, then a `lax.while_loop` that samples a token per sequence, feeds it back, and stops as
-soon as every sequence has hit a stop token or the length limit. No Python runs per token. Shapes
-are bucketed (batch to a power of two, prompt and generation lengths to multiples of 32) so a
-new batch rarely compiles. With a sharded model the same function runs over the mesh.
+soon as every sequence has hit a stop token or the length limit. No Python runs per token. The n
+samples of a prompt share its prefill (its KV cache repeated n times). Shapes are bucketed
+(rows to a power of two up to 64, then a multiple of 64; prompt and generation lengths to
+multiples of 32) so a new batch rarely compiles. With a sharded model the same function runs
+over the mesh.
 """
 
 from __future__ import annotations
@@ -32,16 +34,28 @@ def bucket_mult(n: int, m: int = 32) -> int:
     return max(m, -(-n // m) * m)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "gen_len"))
+def bucket_rows(n: int, minimum: int = 8, step: int = 64) -> int:
+    """Batch rows: powers of two up to `step`, then multiples of it (300 held-out problems
+    decode as 320 rows, not 512)."""
+    return bucket_pow2(n, minimum) if n <= step else bucket_mult(n, step)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "gen_len", "group"))
 def _generate(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p, full, max_new,
-              stop_ids, gen_len: int):
+              stop_ids, gen_len: int, group: int = 1):
+    """`tokens_bt` [P, T]: the distinct prompts, each prefilled once; its KV cache and last
+    logits are then repeated `group` times, so rows i * group .. i * group + group - 1 of the
+    P * group decoded in lockstep are the group's samples of prompt i (GRPO's G completions
+    share one prefill)."""
     model = nnx.merge(graphdef, state)
-    b, tp = tokens_bt.shape
-    cache = KVCache.init(model.cfg, b, tp + gen_len)
-    pos = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (b, tp))
+    u, tp = tokens_bt.shape
+    cache = KVCache.init(model.cfg, u, tp + gen_len)
+    pos = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (u, tp))
     seg = (pos < lens_b[:, None]).astype(jnp.int32)
     logits, cache = model(tokens_bt, pos, seg, cache=cache)
     last = jnp.take_along_axis(logits, (lens_b - 1)[:, None, None], axis=1)[:, 0]
+    cache, last, lens_b = cache.repeat(group), jnp.repeat(last, group, 0), jnp.repeat(lens_b, group)
+    b = u * group
 
     def cond(c):
         i, done = c[0], c[-2]
@@ -225,17 +239,19 @@ class JaxEngine:
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
-        rows = [list(p) for p in prompt_token_ids for _ in range(params.n)]
+        prompts = [list(p) for p in prompt_token_ids]
+        rows = [p for p in prompts for _ in range(params.n)]
         if not rows:
             return []
         if any(len(r) == 0 for r in rows):
             raise ValueError("empty prompt")
-        b = bucket_pow2(len(rows))
+        # each prompt prefilled once for its n samples
+        u = bucket_rows(len(prompts), minimum=max(1, -(-8 // params.n)))
         tp = bucket_mult(max(len(r) for r in rows))
         gen_len = bucket_mult(params.max_tokens)
-        tokens = np.zeros((b, tp), np.int32)
-        lens = np.ones((b,), np.int32)
-        for i, r in enumerate(rows):
+        tokens = np.zeros((u, tp), np.int32)
+        lens = np.ones((u,), np.int32)
+        for i, r in enumerate(prompts):
             tokens[i, : len(r)] = r
             lens[i] = len(r)
         stop = sorted(set(() if params.ignore_eos else self.eos) | set(params.stop_token_ids))
@@ -247,7 +263,7 @@ class JaxEngine:
             self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(lens), jax.random.key(seed),
             jnp.float32(params.temperature), jnp.int32(params.top_k), jnp.float32(params.top_p),
             jnp.bool_(params.logprobs == "full"), jnp.int32(params.max_tokens),
-            jnp.asarray(stop_ids), gen_len=gen_len))
+            jnp.asarray(stop_ids), gen_len=gen_len, group=params.n))
         out = []
         stop_set = set(stop)
         for i, r in enumerate(rows):

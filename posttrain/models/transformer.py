@@ -63,6 +63,18 @@ class KVCache(NamedTuple):
                    jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((batch, max_len), jnp.int32),
                    jnp.zeros((), jnp.int32))
 
+    def repeat(self, n: int) -> "KVCache":
+        """Each row n times in a row (row i -> rows i*n .. i*n + n-1): one prompt's prefill
+        shared by the n completions sampled from it."""
+        if n == 1:
+            return self
+        if isinstance(self.k, tuple):  # unrolled: one [B, ...] buffer per layer
+            k, v = (tuple(jnp.repeat(x, n, axis=0) for x in kv) for kv in (self.k, self.v))
+        else:  # scanned: [L, B, ...]
+            k, v = jnp.repeat(self.k, n, axis=1), jnp.repeat(self.v, n, axis=1)
+        return KVCache(k, v, jnp.repeat(self.pos, n, axis=0), jnp.repeat(self.seg, n, axis=0),
+                       self.end)
+
 
 def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
     @nnx.split_rngs(splits=cfg.num_hidden_layers)

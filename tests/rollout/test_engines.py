@@ -7,6 +7,7 @@ differs only in reduction order); vLLM logprobs vs the trainer's <= 1e-3 (differ
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -194,3 +195,33 @@ def test_vllm_engine_greedy_logprobs_and_sync(setup, tmp_path):
     assert probe_gap(out["probe_before"], score_sequences(model, probe)) <= tol
     assert probe_gap(out["probe_after"], score_sequences(updated, probe)) <= tol
     assert probe_gap(out["probe_before"], score_sequences(updated, probe)) > 10 * tol
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_shared_prefill_equals_one_prefill_per_sample(setup, scan):
+    """n samples of a prompt share one prefill (its KV cache repeated n times): the same tokens,
+    log-probs and kept counts as the plain path, which prefills every sample's copy of the
+    prompt (the same rows, so the same random draws). Log-probs within 1e-5: the prefill's
+    matmuls run over fewer rows, fp32 reduction order only."""
+    d, _, tok, _ = setup
+    eng = JaxEngine(from_pretrained(d, scan_layers=scan), tok)
+    n = 4
+    for sp in (SamplingParams(temperature=0, max_tokens=16, n=n, ignore_eos=True),
+               SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, n=n, seed=3),
+               SamplingParams(temperature=0.7, top_k=20, max_tokens=16, n=n, seed=4)):
+        shared = eng.generate(PROMPTS, sp)
+        plain = eng.generate([p for p in PROMPTS for _ in range(n)], replace(sp, n=1))
+        assert [o.prompt_index for o in shared] == [i // n for i in range(len(PROMPTS) * n)]
+        assert [o.token_ids for o in shared] == [o.token_ids for o in plain], sp
+        assert [o.kept_counts for o in shared] == [o.kept_counts for o in plain], sp
+        gap = max(np.abs(np.subtract(a.logprobs, b.logprobs)).max() for a, b in zip(shared, plain))
+        assert gap <= 1e-5, (sp, gap)
+        if sp.temperature > 0:  # the group's samples differ (not one sample copied n times)
+            assert len({tuple(o.token_ids) for o in shared[:n]}) > 1
+
+
+def test_rows_bucket_to_powers_of_two_then_multiples_of_64():
+    from rollout.jax_engine import bucket_rows
+
+    assert [bucket_rows(n) for n in (1, 5, 8, 9, 64, 65, 300, 512)] == [8, 8, 8, 16, 64, 128, 320, 512]
+    assert bucket_rows(3, minimum=1) == 4 and bucket_rows(1, minimum=1) == 1
