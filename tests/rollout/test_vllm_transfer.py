@@ -134,7 +134,10 @@ def run_engine_check(d, backend: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["ipc", "nccl"])
+# ipc here; NCCL's chunks are checked against vLLM's cut points above, and whole GRPO runs take
+# every sync through it, probed, in tests/test_grpo_e2e.py (vllm_nccl: two workers). The nccl
+# variant of this check runs with `python -m tests.rollout.vllm_transfer_check DIR nccl`.
+@pytest.mark.parametrize("backend", ["ipc"])
 def test_vllm_engine_in_its_own_processes_takes_weights_through_its_transfer_engine(tiny, backend):
     """A vLLM engine whose model runs in its engine-core and worker processes (as on GPUs) gets
     three syncs (two dense policies, one with LoRA merged) through vLLM's `backend` engine:

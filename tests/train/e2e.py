@@ -40,6 +40,25 @@ def run(recipe: str, run_dir: Path, overrides: list[str], devices: int | None = 
     return r
 
 
+def run_together(*runs: tuple) -> None:
+    """Independent runs at the same time, each `(recipe, run_dir, overrides[, devices])`, all
+    checked. A tiny run is mostly start-up, compiling and Ray (one core each), so two of them
+    share the two cores in less time than one after the other; what a run computes does not
+    depend on what runs beside it."""
+    import tempfile
+
+    procs = []
+    for recipe, run_dir, overrides, *devices in runs:
+        err = tempfile.TemporaryFile("w+")
+        procs.append((subprocess.Popen(cmd(recipe, run_dir, overrides), cwd=ROOT,
+                                       env=env(*devices), stdout=subprocess.DEVNULL,
+                                       stderr=err, text=True), err))
+    for p, err in procs:
+        p.wait(timeout=900)
+        err.seek(0)
+        assert p.returncode == 0, err.read()[-4000:]
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from tests.train.e2e import (ROOT, assert_same_final_params, cmd, data_order, env, final_params,
-                             metrics, run)
+                             metrics, run, run_together)
 
 GROUP = ["trainer.hosts=2", "trainer.devices_per_host=2"]
 PRETRAIN = ("recipes/pretrain_tiny.yaml",
@@ -67,8 +67,7 @@ def resume_copy(src, dst, keep_step: int):
 def pretrain_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("group_pretrain")
     recipe, short = PRETRAIN
-    run(recipe, root / "one", short, devices=4)
-    run(recipe, root / "group", short + GROUP)
+    run_together((recipe, root / "one", short, 4), (recipe, root / "group", short + GROUP))
     return root
 
 
@@ -88,8 +87,7 @@ def test_group_trains_like_one_process_with_the_same_devices(pretrain_runs, tmp_
     assert (group / "hf" / "model.safetensors").is_file()  # exported from the group's checkpoint
     # SFT, likewise
     recipe, short = SFT
-    run(recipe, tmp_path / "one", short, devices=4)
-    run(recipe, tmp_path / "group", short + GROUP)
+    run_together((recipe, tmp_path / "one", short, 4), (recipe, tmp_path / "group", short + GROUP))
     assert data_order(tmp_path / "one") == data_order(tmp_path / "group")
     assert_close_runs(tmp_path / "one", tmp_path / "group")
 
@@ -101,9 +99,8 @@ def test_checkpoints_cross_host_counts(pretrain_runs, tmp_path):
     recipe, short = PRETRAIN
     one, group = pretrain_runs / "one", pretrain_runs / "group"
     to_one = resume_copy(group, tmp_path / "to_one", 12)
-    run(recipe, to_one, short, devices=4)
     to_group = resume_copy(one, tmp_path / "to_group", 12)
-    run(recipe, to_group, short + GROUP)
+    run_together((recipe, to_one, short, 4), (recipe, to_group, short + GROUP))
     for d in (to_one, to_group):
         assert data_order(d) == data_order(one)
         assert [x["step"] for x in metrics(d)] == list(range(1, 25))  # 13-24 run again
