@@ -243,11 +243,11 @@ class JaxEngine:
         rows = [p for p in prompts for _ in range(params.n)]
         if not rows:
             return []
-        if any(len(r) == 0 for r in rows):
+        if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
         # each prompt prefilled once for its n samples
         u = bucket_rows(len(prompts), minimum=max(1, -(-8 // params.n)))
-        tp = bucket_mult(max(len(r) for r in rows))
+        tp = bucket_mult(max(len(p) for p in prompts))
         gen_len = bucket_mult(params.max_tokens)
         tokens = np.zeros((u, tp), np.int32)
         lens = np.ones((u,), np.int32)
