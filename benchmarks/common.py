@@ -78,3 +78,33 @@ def matmul_floor_seconds(cfg: ModelConfig, batch: int, prompt_len: int, new_toke
     rollout_s = _best_time(decode, jnp.ones((batch, e)), layers, head)
     update_s = _best_time(update, (layers, head), jnp.ones((tokens, e)))
     return {"rollout": rollout_s, "update": update_s, "step": rollout_s + update_s}
+
+
+TUNIX_VENV = "benchmarks/peers/setup_tunix.sh"
+
+
+def tunix_python(root) -> str:
+    """The interpreter of Tunix's own environment (`$TUNIX_PYTHON`, else `.venv-tunix`), or a
+    SystemExit that says how to make it."""
+    import os
+    from pathlib import Path
+
+    py = os.environ.get("TUNIX_PYTHON") or str(Path(root) / ".venv-tunix" / "bin" / "python")
+    if not Path(py).exists():
+        raise SystemExit(f"Tunix is not installed ({py} missing): run `bash {TUNIX_VENV}` (its own "
+                         "venv: its pins do not install beside ours), or leave `tunix` out of --peers")
+    return py
+
+
+def run_tunix(root, mode: str, model_dir, steps: int) -> dict:
+    """`benchmarks/peers/tunix_bench.py` under Tunix's interpreter: its JSON result (see there)."""
+    import json
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([tunix_python(root), "benchmarks/peers/tunix_bench.py", mode, str(model_dir),
+                        str(steps)], cwd=root, env=env, capture_output=True, text=True, check=False)
+    if r.returncode or "@@" not in r.stdout:
+        raise RuntimeError(f"Tunix {mode} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.split("@@")[-1])

@@ -1,11 +1,13 @@
-"""Seconds per GRPO step: ours vs TRL's GRPOTrainer, side by side on the reference workload.
+"""Seconds per GRPO step: ours vs Tunix and TRL, side by side on the reference workload.
 
     python -m benchmarks.grpo_step [--steps 12] [--rounds 2] [--variants colocated,disaggregated,...]
+                                   [--peers tunix,trl]
 
 Workload (ENVIRONMENT.md): the 3.3M-parameter Qwen3-architecture model (random weights, so every
 completion runs to the 64-token limit on both sides), 8 prompts x 8 completions, at most 64 new
 tokens, one update per batch, beta = 0, fp32, the same arithmetic prompts and the same
-correctness reward. Both run as separate processes, alternating; we report the median step after
+correctness reward. Every contender runs as a separate process, alternating (Tunix under its own
+venv: `benchmarks/peers/tunix_bench.py`); we report the median step after
 warm-up and our phase split (rollout, reward, logprob, update, sync).
 
 Variants of ours: `colocated` (the JAX engine in the trainer's process, the default),
@@ -112,17 +114,34 @@ def trl(model_dir: Path, steps: int) -> dict:
     return {"step_s": statistics.median(s)}
 
 
+def tunix(model_dir: Path, steps: int) -> dict:
+    from benchmarks.common import run_tunix
+
+    r = run_tunix(ROOT, "grpo", model_dir, steps)
+    return {"step_s": r["median_step_s"], "rollout": r["median"]["rollout_s"],
+            "update": r["median"]["train_s"]}
+
+
+PEERS = {"tunix": tunix, "trl": trl}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--variants", default="colocated", help=f"comma-separated: {', '.join(VARIANTS)}")
+    ap.add_argument("--peers", default="tunix,trl",
+                    help="comma-separated peers run in the same script, alternating with ours: "
+                         "tunix (its own venv, benchmarks/peers/setup_tunix.sh), trl")
     args = ap.parse_args()
     variants = args.variants.split(",")
+    peers = [p for p in args.peers.split(",") if p]
     sys.path.insert(0, str(ROOT))
-    from benchmarks.common import REFERENCE, matmul_floor_seconds, matmul_peak_gflops
+    from benchmarks.common import REFERENCE, matmul_floor_seconds, matmul_peak_gflops, tunix_python
     from tests.helpers import save_tiny_model_with_tokenizer
 
+    if "tunix" in peers:
+        tunix_python(ROOT)  # fail before the first run, not after it
     work = Path(tempfile.mkdtemp(prefix="grpo_bench_"))
     model_dir = work / "model"
     save_tiny_model_with_tokenizer(model_dir, "qwen3", hidden=256, inter=768, layers=4, heads=4,
@@ -130,13 +149,13 @@ def main():
     peak = matmul_peak_gflops()
     # The prompts are ~20 tokens; the update's rows are padded to a multiple of 32 (96 here).
     floor = matmul_floor_seconds(REFERENCE, batch=64, prompt_len=32, new_tokens=64)
-    res = {v: [] for v in variants} | {"trl": []}
+    res = {v: [] for v in variants + peers}
     for _ in range(args.rounds):
         for v in variants:
             res[v].append(ours(model_dir, args.steps, work, v))
-        res["trl"].append(trl(model_dir, args.steps))
+        for p in peers:
+            res[p].append(PEERS[p](model_dir, args.steps))
     best = {k: min(v, key=lambda r: r["step_s"]) for k, v in res.items()}
-    t = best["trl"]
     # FLOPs of one step: 64 sequences x (<= ~20 prompt + 64 new) tokens; the rollout's forward
     # (2 N per token) and the update (6 N; its forward also gives logp_old at mu = 1),
     # N = matmul params.
@@ -144,21 +163,20 @@ def main():
     tokens = 64 * (20 + 64)
     flops = tokens * n_params * (2 + 6)
     print(f"matmul peak measured now: {peak:.0f} GFLOP/s (f32)")
-    print(f"{'':<30}{'s / step':>10}{'steps/s vs TRL':>16}{'vs Tunix 1.19 s':>17}")
-    print(f"{'TRL GRPOTrainer':<30}{t['step_s']:>10.3f}{1.0:>15.2f}x")
-    for v in variants:
-        o = best[v]
-        print(f"{'posttrain ' + v:<30}{o['step_s']:>10.3f}{t['step_s'] / o['step_s']:>15.2f}x"
-              f"{1.19 / o['step_s']:>16.2f}x")
-    for v in variants:
-        o = best[v]
-        print(f"{v} phases (median s): " + ", ".join(
-            f"{k.split('/')[1]} {x:.3f}" for k, x in o.items() if k.startswith("time/")))
+    print(f"{'':<30}{'s / step':>10}" + "".join(f"{'vs ' + p:>12}" for p in peers))
+    for k in peers + variants:
+        o = best[k]
+        name = {"tunix": "Tunix 0.1.7 GRPO", "trl": "TRL GRPOTrainer"}.get(k, "posttrain " + k)
+        print(f"{name:<30}{o['step_s']:>10.3f}"
+              + "".join(f"{best[p]['step_s'] / o['step_s']:>11.2f}x" for p in peers))
+    for k in variants + [p for p in peers if "rollout" in best[p]]:
+        o = best[k]
+        print(f"{k} phases (median s): " + ", ".join(
+            f"{n.split('/')[-1]} {x:.3f}" for n, x in o.items() if n != "step_s"))
         print(f"  step FLOPs ~{flops / 1e9:.1f} GFLOP -> {flops / o['step_s'] / 1e9:.0f} GFLOP/s "
               f"= {flops / o['step_s'] / 1e9 / peak:.1%} of the measured peak")
     print(f"matmul floor at this workload's shapes (weight matmuls alone, jit): rollout "
-          f"{floor['rollout']:.3f} s + update {floor['update']:.3f} s = {floor['step']:.3f} s per step "
-          f"({1.19 / floor['step']:.2f}x the Tunix figure)")
+          f"{floor['rollout']:.3f} s + update {floor['update']:.3f} s = {floor['step']:.3f} s per step")
     print("all rounds: " + json.dumps({k: [round(r['step_s'], 3) for r in v] for k, v in res.items()}))
 
 

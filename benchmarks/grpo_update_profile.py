@@ -68,7 +68,7 @@ def build(work: Path):
     batch = {"tokens": rng.randint(0, 400, (B, T)), "targets": rng.randint(0, 400, (B, T)),
              "positions": np.broadcast_to(np.arange(T), (B, T)), "segment_ids": np.ones((B, T)),
              "loss_mask": mask, "logp_rollout": np.zeros((B, T), np.float32),
-             "advantages": rng.randn(B).astype(np.float32)}
+             "kept_counts": np.zeros((B, T), np.int32), "advantages": rng.randn(B).astype(np.float32)}
     batch = {k: jnp.asarray(v, jnp.float32 if v.dtype.kind == "f" else jnp.int32) for k, v in batch.items()}
     return step, state, batch
 

@@ -1,10 +1,12 @@
-"""SFT tokens/s: ours vs TRL's SFTTrainer, side by side on the reference workload.
+"""SFT tokens/s: ours vs Tunix's PeftTrainer and TRL's SFTTrainer, side by side.
 
-    python -m benchmarks.sft_throughput [--steps 30] [--rounds 2]
+    python -m benchmarks.sft_throughput [--steps 30] [--rounds 2] [--peers tunix,trl]
 
 Workload (ENVIRONMENT.md): the 3.3M-parameter Qwen3-architecture model, batch 16 x 256 packed,
-AdamW, fp32, on generated arithmetic chats with a locally trained BPE tokenizer. Both sides run as
-separate processes, alternating (ours, TRL, ours, TRL, ...) so that machine noise hits both; each
+AdamW, fp32, on generated arithmetic chats with a locally trained BPE tokenizer. Every contender
+runs as a separate process, alternating (ours, Tunix, TRL, ours, ...) so that machine noise hits
+all; Tunix runs under its own venv (`benchmarks/peers/tunix_bench.py`: it does not pack, so its rows
+are packed by hand, every position a real token). Each
 reports non-padding tokens per second of wall time over its steps after warm-up. Ours is the real
 `posttrain run` SFT path (data pipeline, jitted step, metrics), full fine-tuning and LoRA; the
 matmul peak is measured in this script for MFU.
@@ -89,35 +91,55 @@ def trl(steps: int, tok_dir: Path) -> float:
     return json.loads(r.stdout.strip().splitlines()[-1])["tokens_per_s"]
 
 
+def tunix(steps: int, model_dir: Path) -> float:
+    from benchmarks.common import run_tunix
+
+    return run_tunix(ROOT, "sft", model_dir, steps)["tokens_per_s_mean"]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--peers", default="tunix,trl",
+                    help="comma-separated: tunix (its own venv, benchmarks/peers/setup_tunix.sh), trl")
     args = ap.parse_args()
-    from benchmarks.common import REFERENCE, matmul_peak_gflops, train_flops_per_token
+    peers = [p for p in args.peers.split(",") if p]
+    from benchmarks.common import REFERENCE, matmul_peak_gflops, train_flops_per_token, tunix_python
     from posttrain.data import generated
     from posttrain.data.tokenizer import train_bpe
+    from tests.helpers import save_tiny_model_with_tokenizer
 
+    if "tunix" in peers:
+        tunix_python(ROOT)
     work = Path(tempfile.mkdtemp(prefix="sft_bench_"))
     tok_dir = work / "tok"
     train_bpe(generated.corpus_for_tokenizer(99), 512, tok_dir)
+    model_dir = work / "model"  # Tunix loads the reference model from an HF directory
+    save_tiny_model_with_tokenizer(model_dir, "qwen3", hidden=256, inter=768, layers=4, heads=4,
+                                   kv=2, head_dim=64)
     peak = matmul_peak_gflops()
-    res = {"ours": [], "ours_lora": [], "trl": []}
+    runs = {"ours": lambda: ours(args.steps, work, lora=False),
+            "tunix": lambda: tunix(args.steps, model_dir),
+            "trl": lambda: trl(args.steps, tok_dir),
+            "ours_lora": lambda: ours(args.steps, work, lora=True)}
+    order = ["ours"] + peers + ["ours_lora"]
+    res = {k: [] for k in order}
     for _ in range(args.rounds):
-        res["ours"].append(ours(args.steps, work, lora=False))
-        res["trl"].append(trl(args.steps, tok_dir))
-        res["ours_lora"].append(ours(args.steps, work, lora=True))
+        for k in order:
+            res[k].append(runs[k]())
     best = {k: max(v) for k, v in res.items()}
     fpt = train_flops_per_token(REFERENCE, 256)
+    labels = {"ours": "posttrain full FT", "ours_lora": "posttrain LoRA r16",
+              "tunix": "Tunix PeftTrainer", "trl": "TRL SFTTrainer"}
     print(f"matmul peak measured now: {peak:.0f} GFLOP/s (f32)")
-    print(f"{'run':<22}{'tokens/s (best of ' + str(args.rounds) + ')':>26}{'MFU':>8}{'vs TRL':>9}")
-    for k, label in [("ours", "posttrain full FT"), ("ours_lora", "posttrain LoRA r16"),
-                     ("trl", "TRL SFTTrainer")]:
+    print(f"{'run':<22}{'tokens/s (best of ' + str(args.rounds) + ')':>26}{'MFU':>8}"
+          + "".join(f"{'vs ' + p:>10}" for p in peers))
+    for k in order:
         mfu = best[k] * fpt / 1e9 / peak
-        print(f"{label:<22}{best[k]:>26.0f}{mfu:>8.1%}{best[k] / best['trl']:>8.2f}x")
+        print(f"{labels[k]:<22}{best[k]:>26.0f}{mfu:>8.1%}"
+              + "".join(f"{best[k] / best[p]:>9.2f}x" for p in peers))
     print(f"all rounds: {json.dumps({k: [round(x) for x in v] for k, v in res.items()})}")
-    print(f"vs Tunix PeftTrainer figure (6,570 tokens/s, ENVIRONMENT.md, idle machine): "
-          f"{best['ours'] / 6570:.2f}x")
 
 
 if __name__ == "__main__":

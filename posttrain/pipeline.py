@@ -127,7 +127,7 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                 return {"rollouts": rollouts, "rewards": all_rewards, "adv_mask": adv_mask,
                         "scores": scores, "attempts": attempts, "times": times,
                         "prompt_ids": prompt_ids,
-                        "batch": build_batch(rollouts, adv, cfg.data.seq_len)}
+                        "batch": build_batch(rollouts, adv, cfg.data.seq_len, g.group_size)}
 
             off_policy = cfg.async_.off_policy_steps > 0
             executor = ThreadPoolExecutor(1, thread_name_prefix="rollout") if off_policy else None

@@ -134,9 +134,29 @@ def batch_length(rollouts, seq_len: int, bucket: int = 32) -> int:
     return min(seq_len, -(-longest // bucket) * bucket)
 
 
-def build_batch(rollouts, advantages: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+def shared_prefix_len(rollouts, group_size: int, seq_len: int, bucket: int = 16) -> int:
+    """How many leading tokens every row of each group of `group_size` consecutive rows shares
+    (their prompt), rounded down to `bucket` so that few shapes compile; 0 when groups are of one
+    row, share fewer than `bucket` tokens, or a group's prompts differ."""
+    if group_size <= 1 or len(rollouts) % group_size:
+        return 0
+    n = min(len(r.prompt_token_ids) for r in rollouts)
+    n = min(n, seq_len - 1) // bucket * bucket  # at least one position left to the rows' own pass
+    for i in range(0, len(rollouts), group_size):
+        head = rollouts[i].prompt_token_ids[:n]
+        if any(r.prompt_token_ids[:n] != head for r in rollouts[i + 1:i + group_size]):
+            return 0
+    return n
+
+
+def build_batch(rollouts, advantages: np.ndarray, seq_len: int,
+                group_size: int = 1) -> dict[str, np.ndarray]:
     """Rows = prompt + completion, right-padded to `batch_length`; masks/logprobs sit on the
-    positions that *predict* each completion token (position t predicts token t+1)."""
+    positions that *predict* each completion token (position t predicts token t+1). With
+    `group_size` > 1 (rows i*G .. i*G + G-1 sampled from one prompt) the batch also carries
+    `shared_prefix` [B, S]: the S leading tokens the rows of each group share, which the GRPO loss
+    runs through the model once per group instead of once per row
+    (`posttrain.algorithms.grpo.policy_logits`)."""
     b = len(rollouts)
     seq_len = batch_length(rollouts, seq_len)
     tokens = np.zeros((b, seq_len), np.int32)
@@ -156,9 +176,12 @@ def build_batch(rollouts, advantages: np.ndarray, seq_len: int) -> dict[str, np.
     targets = np.zeros_like(tokens)
     targets[:, :-1] = tokens[:, 1:]
     pos = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (b, seq_len)).copy()
-    return {"tokens": tokens, "targets": targets, "positions": pos, "segment_ids": seg,
-            "loss_mask": mask, "logp_rollout": lp_roll, "kept_counts": kept,
-            "advantages": advantages.astype(np.float32)}
+    out = {"tokens": tokens, "targets": targets, "positions": pos, "segment_ids": seg,
+           "loss_mask": mask, "logp_rollout": lp_roll, "kept_counts": kept,
+           "advantages": advantages.astype(np.float32)}
+    if n_shared := shared_prefix_len(rollouts, group_size, seq_len):
+        out["shared_prefix"] = tokens[:, :n_shared].copy()
+    return out
 
 
 # ---- engines -------------------------------------------------------------------------------------
