@@ -2,7 +2,10 @@
 transformers' generate, on the reference workload (64 prompts x 64 new tokens, temperature 1,
 the 3.3M-parameter model), plus seconds per weight sync.
 
-    python -m benchmarks.rollout_throughput
+    python -m benchmarks.rollout_throughput [--shape reference|large] [--kinds ...] [--rounds 2]
+
+`--shape large`: hidden 512, 8 layers, 8 heads x 64, 4 KV heads, MLP 1536 (~25M parameters; the
+vocabulary stays the local tokenizer's 512 so that every engine can detokenize what it samples).
 
 Each contender runs in its own process (vLLM and torch own process-wide state), alternating over
 rounds; the best round counts. Every completion is forced to 64 tokens (no stop token) so all
@@ -20,6 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, NEW = 64, 64
+SHAPES = {"reference": dict(hidden=256, inter=768, layers=4, heads=4, kv=2, head_dim=64),
+          "large": dict(hidden=512, inter=1536, layers=8, heads=8, kv=4, head_dim=64)}
 
 CHILD = r'''
 import json, os, statistics, sys, time
@@ -126,14 +131,18 @@ def main():
                     help="comma-separated subset of jax,vllm_ours,vllm_raw,hf,vllm_same (vllm_raw is "
                          "the reference; vllm_same: one LLM, three requests alternated in-process)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--shape", default="reference", choices=list(SHAPES))
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from tests.helpers import save_tiny_model_with_tokenizer
 
     d = Path(tempfile.mkdtemp(prefix="rollout_bench_"))
     # the reference model: hidden 256, 4 layers, 4 heads x 64, 2 KV heads, MLP 768, tied
-    save_tiny_model_with_tokenizer(d, "qwen3", hidden=256, inter=768, layers=4, heads=4, kv=2,
-                                   head_dim=64)
+    save_tiny_model_with_tokenizer(d, "qwen3", **SHAPES[args.shape])
+    from benchmarks.common import matmul_peak_gflops
+
+    print(f"shape {args.shape}: {SHAPES[args.shape]}; matmul peak measured now: "
+          f"{matmul_peak_gflops():.0f} GFLOP/s (f32)")
     kinds = args.kinds.split(",")
     if "vllm_raw" not in kinds:
         kinds.append("vllm_raw")
