@@ -80,7 +80,9 @@ t = T()
 cfg = GRPOConfig(output_dir="/tmp/trl_grpo_bench", per_device_train_batch_size=64, num_generations=8,
                  max_completion_length=64, max_steps=steps, learning_rate=1e-5, beta=0.0,
                  logging_steps=1000, report_to=[], save_strategy="no", use_cpu=True,
-                 temperature=1.0, num_iterations=1, dataloader_num_workers=0)
+                 temperature=1.0, num_iterations=1, dataloader_num_workers=0,
+                 # fp32 without remat, like every other contender (TRL defaults to bf16 + remat)
+                 bf16=False, gradient_checkpointing=False)
 tr = GRPOTrainer(model=model, args=cfg, train_dataset=ds, reward_funcs=[reward], processing_class=tok,
                  callbacks=[t])
 t0 = time.perf_counter(); tr.train()

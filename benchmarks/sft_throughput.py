@@ -68,7 +68,11 @@ timer = Timer()
 args = SFTConfig(output_dir="/tmp/trl_sft_bench", per_device_train_batch_size=16, max_length=256,
                  packing=True, max_steps=steps, learning_rate=2e-3, logging_steps=1000,
                  report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0,
-                 assistant_only_loss=False, max_grad_norm=0.0)
+                 assistant_only_loss=False, max_grad_norm=0.0,
+                 # TRL >= 1.x defaults to bf16 autocast and gradient checkpointing; fp32 without
+                 # remat is the workload everyone else runs (bf16 matmuls on a CPU without
+                 # AVX512_BF16 run ~170x slower than fp32: that was TRL's slowness here)
+                 bf16=False, gradient_checkpointing=False)
 trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, callbacks=[timer])
 # count real tokens per packed batch from the collator's output
 orig = trainer.compute_loss
