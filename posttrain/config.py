@@ -263,6 +263,9 @@ class GRPOSection(Strict):
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     mu: int = Field(1, gt=0, description="updates per batch")
     mini_batches: int = Field(1, gt=0)
+    pack: bool = Field(True, description=(
+        "pack several completions to a training row (segment ids keep attention within each) "
+        "when that costs fewer token positions than padding every row to the longest"))
     tis: TISSection = TISSection()
     dynamic_sampling: DynamicSampling = DynamicSampling()
     chat_template: bool = True

@@ -113,6 +113,8 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
             elif probe is not None:  # the engine as built (from the trainer's model or its HF export)
                 check_probe([engine], trainer.score, probe, 0)
 
+            row_unit = trainer.row_unit() if g.pack else 0
+
             def produce(step: int) -> dict:
                 """Rollouts, rewards and the training batch of `step` (on the engine's current
                 weights); run in a background thread when `async.off_policy_steps` is 1."""
@@ -127,7 +129,8 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                 return {"rollouts": rollouts, "rewards": all_rewards, "adv_mask": adv_mask,
                         "scores": scores, "attempts": attempts, "times": times,
                         "prompt_ids": prompt_ids,
-                        "batch": build_batch(rollouts, adv, cfg.data.seq_len, g.group_size)}
+                        "batch": build_batch(rollouts, adv, cfg.data.seq_len, g.group_size,
+                                             row_unit)}
 
             off_policy = cfg.async_.off_policy_steps > 0
             executor = ThreadPoolExecutor(1, thread_name_prefix="rollout") if off_policy else None

@@ -149,37 +149,91 @@ def shared_prefix_len(rollouts, group_size: int, seq_len: int, bucket: int = 16)
     return n
 
 
+def pack_layout(lengths: list[int], row_len: int) -> list[list[int]]:
+    """First-fit decreasing: the sequences (by index) of each row of `row_len` tokens."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        r = next((r for r, f in enumerate(free) if f >= lengths[i]), None)
+        if r is None:
+            rows.append([]), free.append(row_len)
+            r = len(rows) - 1
+        rows[r].append(i)
+        free[r] -= lengths[i]
+    return rows
+
+
+def packed_rows(lengths: list[int], row_len: int, row_unit: int) -> list[list[int]] | None:
+    """The packed layout when it saves work: its row count rounded up to a bucket (a multiple of
+    `row_unit`, the rows every micro-batch's shard must divide into, about B / 8: few shapes
+    compile), below the B rows of the padded layout; None otherwise."""
+    b = len(lengths)
+    bucket = row_unit * max(1, b // (8 * row_unit))
+    layout = pack_layout(lengths, row_len)
+    n = -(-len(layout) // bucket) * bucket
+    return layout + [[] for _ in range(n - len(layout))] if n < b else None
+
+
 def build_batch(rollouts, advantages: np.ndarray, seq_len: int,
-                group_size: int = 1) -> dict[str, np.ndarray]:
+                group_size: int = 1, row_unit: int = 0) -> dict[str, np.ndarray]:
     """Rows = prompt + completion, right-padded to `batch_length`; masks/logprobs sit on the
     positions that *predict* each completion token (position t predicts token t+1). With
     `group_size` > 1 (rows i*G .. i*G + G-1 sampled from one prompt) the batch also carries
     `shared_prefix` [B, S]: the S leading tokens the rows of each group share, which the GRPO loss
     runs through the model once per group instead of once per row
-    (`posttrain.algorithms.grpo.policy_logits`)."""
+    (`posttrain.algorithms.grpo.policy_logits`).
+
+    With `row_unit` > 0 the sequences are packed instead, several to a row (first-fit
+    decreasing, segment ids 1, 2, ... and positions restarting per sequence, so attention stays
+    within each), when that costs fewer token positions than the padded rows net of the shared
+    prefix: a batch of mostly short completions with a few long ones trains on a fraction of
+    its padded size. A packed batch carries its advantages per token ([R, T], each sequence's
+    on its tokens), which is how the loss knows its layout (`grpo.Seqs`); its row count is a
+    multiple of `row_unit`."""
     b = len(rollouts)
     seq_len = batch_length(rollouts, seq_len)
-    tokens = np.zeros((b, seq_len), np.int32)
-    seg = np.zeros((b, seq_len), np.int32)
-    mask = np.zeros((b, seq_len), np.float32)
-    lp_roll = np.zeros((b, seq_len), np.float32)
-    kept = np.zeros((b, seq_len), np.int32)  # 0: the whole vocabulary
-    for i, r in enumerate(rollouts):
-        ids = (r.prompt_token_ids + r.token_ids)[:seq_len]
-        n, p = len(ids), len(r.prompt_token_ids)
-        tokens[i, :n] = ids
-        seg[i, :n] = 1
-        k = max(0, n - p)
-        mask[i, p - 1:p - 1 + k] = r.loss_mask[:k] if r.loss_mask else 1.0
-        lp_roll[i, p - 1:p - 1 + k] = r.logprobs[:k]
-        kept[i, p - 1:p - 1 + min(k, len(r.kept_counts))] = r.kept_counts[:k]
+    seqs = [(r.prompt_token_ids + r.token_ids)[:seq_len] for r in rollouts]
+    n_shared = shared_prefix_len(rollouts, group_size, seq_len)
+    layout = None
+    if row_unit:
+        layout = packed_rows([len(x) for x in seqs], seq_len, row_unit)
+        padded_cost = b * seq_len - (b - b // max(group_size, 1)) * n_shared
+        if layout is not None and len(layout) * seq_len >= padded_cost:
+            layout = None
+    if layout is None:
+        layout = [[i] for i in range(b)]
+    rows = len(layout)
+    tokens = np.zeros((rows, seq_len), np.int32)
+    seg = np.zeros((rows, seq_len), np.int32)
+    pos = np.zeros((rows, seq_len), np.int32)
+    mask = np.zeros((rows, seq_len), np.float32)
+    lp_roll = np.zeros((rows, seq_len), np.float32)
+    kept = np.zeros((rows, seq_len), np.int32)  # 0: the whole vocabulary
+    adv = np.zeros((rows, seq_len), np.float32)
+    for row, members in enumerate(layout):
+        col = 0
+        for s_id, i in enumerate(members, start=1):
+            r, ids = rollouts[i], seqs[i]
+            n, p = len(ids), len(r.prompt_token_ids)
+            tokens[row, col:col + n] = ids
+            seg[row, col:col + n] = s_id
+            pos[row, col:col + n] = np.arange(n)
+            adv[row, col:col + n] = advantages[i]
+            k = max(0, n - p)
+            at = col + p - 1  # the position that predicts the first completion token
+            mask[row, at:at + k] = r.loss_mask[:k] if r.loss_mask else 1.0
+            lp_roll[row, at:at + k] = r.logprobs[:k]
+            kept[row, at:at + min(k, len(r.kept_counts))] = r.kept_counts[:k]
+            col += n
     targets = np.zeros_like(tokens)
     targets[:, :-1] = tokens[:, 1:]
-    pos = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (b, seq_len)).copy()
+    packed = rows != b or any(len(m) != 1 for m in layout)
+    if not packed:
+        pos = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (b, seq_len)).copy()
     out = {"tokens": tokens, "targets": targets, "positions": pos, "segment_ids": seg,
            "loss_mask": mask, "logp_rollout": lp_roll, "kept_counts": kept,
-           "advantages": advantages.astype(np.float32)}
-    if n_shared := shared_prefix_len(rollouts, group_size, seq_len):
+           "advantages": adv if packed else advantages.astype(np.float32)}
+    if n_shared and not packed:
         out["shared_prefix"] = tokens[:, :n_shared].copy()
     return out
 

@@ -139,6 +139,13 @@ def batch_sharding(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules, mesh))
 
 
+def batch_shards(mesh: Mesh, rules: Rules) -> int:
+    """How many ways the rules split a batch's leading axis over the mesh."""
+    axes = batch_sharding(mesh, rules, 1).spec[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return math.prod(mesh.shape[a] for a in axes)
+
+
 def shard_batch(batch: dict, mesh: Mesh, rules: Rules, rows: int | None = None) -> dict:
     """Put every array of a batch on the mesh, its leading (batch) axis split by the rules.
     `batch` holds this process's rows of a global batch of `rows` (default: all of them; in a

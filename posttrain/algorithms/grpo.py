@@ -81,12 +81,64 @@ def rloo_advantages(rewards: np.ndarray, group_size: int) -> np.ndarray:
 
 ADVANTAGES = {"grpo": grpo_advantages, "drgrpo": drgrpo_advantages, "rloo": rloo_advantages}
 
+# ---- where the sequences lie ---------------------------------------------------------------
+
+
+class Seqs:
+    """The layout of a batch's sequences: one per row (`seg` None; the sums below are over a
+    row), or packed several to a row (`posttrain.rollouts.build_batch` with `row_unit`), numbered
+    1, 2, ... within each row by `seg` [R, T] (0: padding). Per-sequence values have shape [R]
+    in the first layout and [R, T + 1] (one slot per segment id, slot 0 the padding) in the
+    second; every loss below is written once over these four operations."""
+
+    def __init__(self, rows: int, seg=None):
+        self.rows, self.seg = rows, seg
+
+    @classmethod
+    def of(cls, batch: dict) -> "Seqs":
+        """Packed when the batch's advantages are per token (a packed batch carries them so)."""
+        packed = batch["advantages"].ndim == 2
+        return cls(batch["tokens"].shape[0], batch["segment_ids"] if packed else None)
+
+    def sum(self, x):
+        """[R, T] -> the per-sequence sums of x."""
+        if self.seg is None:
+            return x.sum(-1)
+        n = x.shape[1] + 1
+        return jax.vmap(lambda xr, sr: jax.ops.segment_sum(xr, sr, num_segments=n))(x, self.seg)
+
+    def tokens(self, v, shape):
+        """Per-sequence values -> every token of each sequence ([R, T])."""
+        if self.seg is None:
+            return jnp.broadcast_to(v[:, None], shape)
+        return jnp.take_along_axis(v, self.seg, axis=1)
+
+    def real(self):
+        """1 on the slots that hold a sequence (not padding, not past a row's last one)."""
+        if self.seg is None:
+            return jnp.ones((self.rows,), jnp.float32)
+        slot = jnp.arange(self.seg.shape[1] + 1)
+        return ((slot >= 1) & (slot <= self.seg.max(-1, keepdims=True))).astype(jnp.float32)
+
+    def count(self):
+        """How many sequences the batch holds."""
+        return jnp.float32(self.rows) if self.seg is None else self.real().sum()
+
+    def mean(self, v):
+        """The mean over sequences of per-sequence values."""
+        return (v * self.real()).sum() / jnp.maximum(self.count(), 1)
+
+
+def _per_token(adv, shape):
+    return jnp.broadcast_to(adv[:, None], shape) if adv.ndim == 1 else adv
+
+
 # ---- policy losses (per token [B, T]) --------------------------------------------------------
 
 
-def token_clip_loss(logp, logp_old, adv, mask, clip_low, clip_high, dual_clip=None):
+def token_clip_loss(logp, logp_old, adv, mask, clip_low, clip_high, dual_clip=None, seqs=None):
     ratio = jnp.exp(logp - logp_old)
-    a = adv[:, None]
+    a = _per_token(adv, logp.shape)
     unclipped = -a * ratio
     clipped = -a * jnp.clip(ratio, 1 - clip_low, 1 + clip_high)
     loss = jnp.maximum(unclipped, clipped)
@@ -96,27 +148,34 @@ def token_clip_loss(logp, logp_old, adv, mask, clip_low, clip_high, dual_clip=No
     return loss, {"clip_fraction": clipped_frac}
 
 
-def _seq_mean(x, mask):
-    return (x * mask).sum(-1) / jnp.maximum(mask.sum(-1), 1)
+def _seq_mean(x, mask, seqs):
+    return seqs.sum(x * mask) / jnp.maximum(seqs.sum(mask), 1)
 
 
-def gspo_loss(logp, logp_old, adv, mask, clip_low, clip_high, dual_clip=None):
-    s = jnp.exp(_seq_mean(logp - logp_old, mask))  # [B]
-    unclipped = -adv * s
-    clipped = -adv * jnp.clip(s, 1 - clip_low, 1 + clip_high)
+def _seqs(seqs, x):
+    return seqs if seqs is not None else Seqs(x.shape[0])
+
+
+def gspo_loss(logp, logp_old, adv, mask, clip_low, clip_high, dual_clip=None, seqs=None):
+    seqs = _seqs(seqs, logp)
+    s = seqs.tokens(jnp.exp(_seq_mean(logp - logp_old, mask, seqs)), logp.shape)
+    a = _per_token(adv, logp.shape)  # every token of sequence i carries s_i and A_i
+    unclipped = -a * s
+    clipped = -a * jnp.clip(s, 1 - clip_low, 1 + clip_high)
     loss = jnp.maximum(unclipped, clipped)
-    frac = (clipped > unclipped).mean()
-    return jnp.broadcast_to(loss[:, None], logp.shape), {"clip_fraction": frac}
+    frac = seqs.mean(seqs.sum((clipped > unclipped).astype(jnp.float32)) > 0)
+    return loss, {"clip_fraction": frac}
 
 
-def gspo_token_loss(logp, logp_old, adv, mask, clip_low, clip_high, dual_clip=None):
-    s = jax.lax.stop_gradient(jnp.exp(_seq_mean(logp - logp_old, mask)))
-    s_t = s[:, None] * jnp.exp(logp - jax.lax.stop_gradient(logp))
-    a = adv[:, None]
+def gspo_token_loss(logp, logp_old, adv, mask, clip_low, clip_high, dual_clip=None, seqs=None):
+    seqs = _seqs(seqs, logp)
+    s = jax.lax.stop_gradient(jnp.exp(_seq_mean(logp - logp_old, mask, seqs)))
+    s_t = seqs.tokens(s, logp.shape) * jnp.exp(logp - jax.lax.stop_gradient(logp))
+    a = _per_token(adv, logp.shape)
     unclipped = -a * s_t
     clipped = -a * jnp.clip(s_t, 1 - clip_low, 1 + clip_high)
     loss = jnp.maximum(unclipped, clipped)
-    frac = ((clipped > unclipped).any(-1)).mean()
+    frac = seqs.mean(seqs.sum((clipped > unclipped).astype(jnp.float32)) > 0)
     return loss, {"clip_fraction": frac}
 
 
@@ -125,20 +184,21 @@ POLICY_LOSSES = {"token_clip": token_clip_loss, "gspo": gspo_loss, "gspo_token":
 # ---- aggregation: (sum, count) -----------------------------------------------------------------
 
 
-def token_mean(loss, mask, max_len=None):
+def token_mean(loss, mask, max_len=None, seqs=None):
     return (loss * mask).sum(), mask.sum()
 
 
-def seq_mean_token_mean(loss, mask, max_len=None):
-    return _seq_mean(loss, mask).sum(), jnp.float32(loss.shape[0])
+def seq_mean_token_mean(loss, mask, max_len=None, seqs=None):
+    seqs = _seqs(seqs, loss)
+    return (_seq_mean(loss, mask, seqs) * seqs.real()).sum(), seqs.count()
 
 
-def seq_mean_token_sum(loss, mask, max_len=None):
-    return (loss * mask).sum(), jnp.float32(loss.shape[0])
+def seq_mean_token_sum(loss, mask, max_len=None, seqs=None):
+    return (loss * mask).sum(), _seqs(seqs, loss).count()
 
 
-def seq_mean_token_sum_norm(loss, mask, max_len=None):
-    return (loss * mask).sum() / max_len, jnp.float32(loss.shape[0])
+def seq_mean_token_sum_norm(loss, mask, max_len=None, seqs=None):
+    return (loss * mask).sum() / max_len, _seqs(seqs, loss).count()
 
 
 AGGREGATIONS = {"token_mean": token_mean, "seq_mean_token_mean": seq_mean_token_mean,
@@ -214,13 +274,14 @@ def policy_logprobs(logits_btv, targets_bt, kept_bt, semantics: str, top_k: int,
 # ---- rollout/trainer mismatch -------------------------------------------------------------------
 
 
-def truncated_is_weights(logp_old, logp_rollout, mask, level: str, cap: float):
+def truncated_is_weights(logp_old, logp_rollout, mask, level: str, cap: float, seqs=None):
     """Detached importance weights min(pi_old / pi_rollout, C), per token or per sequence."""
     d = (logp_old - logp_rollout) * mask
     if level == "token":
         w = jnp.minimum(jnp.exp(d), cap)
     elif level == "sequence":
-        w = jnp.broadcast_to(jnp.minimum(jnp.exp(d.sum(-1)), cap)[:, None], d.shape)
+        seqs = _seqs(seqs, d)
+        w = seqs.tokens(jnp.minimum(jnp.exp(seqs.sum(d)), cap), d.shape)
     else:
         w = jnp.ones_like(d)
     return jax.lax.stop_gradient(w)
@@ -265,10 +326,11 @@ def make_loss_fn(cfg):
         logp, log_mass = trainer_logprobs(g, logits, batch)
         logp_old = batch["logp_old"] if "logp_old" in batch else jax.lax.stop_gradient(logp)
         mask = batch["loss_mask"]
+        seqs = Seqs.of(batch)
         per_tok, aux = policy(logp, logp_old, batch["advantages"], mask, clip_low, clip_high,
-                              g.dual_clip)
+                              g.dual_clip, seqs)
         per_tok = per_tok * truncated_is_weights(logp_old, batch["logp_rollout"], mask,
-                                                 g.tis.level, g.tis.cap)
+                                                 g.tis.level, g.tis.cap, seqs)
         if "logp_old" not in batch:
             aux["rows/logp"] = logp_old
         n_tok = jnp.maximum(mask.sum(), 1)
@@ -278,7 +340,7 @@ def make_loss_fn(cfg):
             k = kl(logp, batch["logp_ref"])
             per_tok = per_tok + g.beta * k
             aux["kl"] = (k * mask).sum() / n_tok
-        s, n = agg(per_tok, mask, float(g.max_tokens))
+        s, n = agg(per_tok, mask, float(g.max_tokens), seqs)
         logz = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         entropy = logz - (probs * logits).sum(-1)

@@ -287,6 +287,9 @@ class TrainerGroup:
     def wait(self) -> None:
         self._call("wait", what="finishing the checkpoint writes")
 
+    def row_unit(self) -> int:
+        return self._call("row_unit")
+
     def score(self, sequences):
         return self._call("score", sequences, what="scoring the probe")
 

@@ -30,7 +30,7 @@ from flax import nnx
 
 from posttrain.config import RunConfig
 from posttrain.models.config import ModelConfig
-from posttrain.sharding import batch_sharding, make_mesh, shard_batch, use_mesh
+from posttrain.sharding import batch_shards, batch_sharding, make_mesh, shard_batch, use_mesh
 from posttrain.train.checkpoint import Checkpointer, restore_train_state, save_train_state
 from posttrain.train.optimizer import init_opt_state, lr_schedule, make_optimizer
 from posttrain.train.step import TrainState, make_eval_step, make_train_step, next_token_loss
@@ -106,6 +106,12 @@ class Trainer:
 
     def local_rows(self, rows: int) -> tuple[int, int]:
         return batch_rows(self.mesh, self.rules, rows)
+
+    def row_unit(self) -> int:
+        """What a GRPO batch's row count must be a multiple of: its mini-batches' micro-batches
+        each split over the batch shards (`posttrain.rollouts.build_batch` packs to it)."""
+        g, t = self.cfg.grpo, self.cfg.train
+        return g.mini_batches * t.grad_accum * batch_shards(self.mesh, self.rules)
 
     # ---- steps ---------------------------------------------------------------------------------
     def train_step(self, batch: dict, rows: int | None = None):

@@ -1,0 +1,125 @@
+"""A GRPO batch may pack several completions to a row (`build_batch(..., row_unit=...)`): the
+loss, its gradients, the log-probs and the metrics of every loss and aggregation must be those of
+the padded layout, one completion per row."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from posttrain.algorithms.grpo import grpo_advantages, make_loss_fn
+from posttrain.config import RunConfig
+from posttrain.models import from_pretrained
+from posttrain.rollouts import build_batch, pack_layout, packed_rows
+from rollout.engine import Rollout
+from tests.helpers import save_tiny_hf_model
+
+G = 4
+
+
+def rollouts(comp_lens, prompt_lens=(11, 13, 10, 14), seed=0):
+    """len(prompt_lens) groups of G; completion i has comp_lens[i] tokens and random rollout
+    log-probs (they stand in for the old policy's and the engine's below)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for p, n in enumerate(prompt_lens):
+        prompt = rng.integers(3, 256, n).tolist()
+        for j in range(G):
+            k = comp_lens[p * G + j]
+            comp = rng.integers(3, 256, k).tolist()
+            out.append(Rollout(p, prompt, comp, rng.uniform(-0.5, 0.5, k).tolist(), "", "stop", 0))
+    return out
+
+
+MIXED = [3, 5, 40, 2, 7, 4, 3, 30, 6, 2, 5, 9, 4, 35, 3, 8]  # mostly short, a few long
+
+
+def test_first_fit_decreasing_fills_rows_and_the_row_count_is_bucketed():
+    assert pack_layout([5, 3, 4, 2], 8) == [[0, 1], [2, 3]]
+    assert sorted(i for r in pack_layout(MIXED, 64) for i in r) == list(range(len(MIXED)))
+    lens = [10] * 16
+    rows = packed_rows(lens, 64, 1)  # 3 rows of 6 -> rounded up to the bucket of 16 / 8 = 2
+    assert len(rows) == 4 and sum(map(len, rows)) == 16
+    assert len(packed_rows(lens, 64, 4)) % 4 == 0  # a multiple of the row unit
+    assert packed_rows([60] * 16, 64, 1) is None  # one a row: nothing to gain
+
+
+def test_the_packed_batch_holds_every_completion_once_within_its_segment():
+    rs = rollouts(MIXED)
+    adv = np.arange(len(rs), dtype=np.float32)
+    plain, packed = build_batch(rs, adv, 128, G), build_batch(rs, adv, 128, G, row_unit=1)
+    assert packed["advantages"].ndim == 2 and len(packed["tokens"]) < len(plain["tokens"])
+    assert "shared_prefix" not in packed
+    for i, r in enumerate(rs):  # sequence i: its segment in some row, with its advantage
+        ids = r.prompt_token_ids + r.token_ids
+        hits = [(row, s) for row in range(len(packed["tokens"]))
+                for s in range(1, packed["segment_ids"][row].max() + 1)
+                if packed["tokens"][row][packed["segment_ids"][row] == s].tolist() == ids
+                and packed["advantages"][row][packed["segment_ids"][row] == s][0] == adv[i]]
+        assert len(hits) == 1, i
+        row, s = hits[0]
+        sel = packed["segment_ids"][row] == s
+        np.testing.assert_array_equal(packed["positions"][row][sel], np.arange(len(ids)))
+        np.testing.assert_allclose(packed["logp_rollout"][row][sel], plain["logp_rollout"][i][:len(ids)])
+        np.testing.assert_array_equal(packed["loss_mask"][row][sel], plain["loss_mask"][i][:len(ids)])
+    # Long completions everywhere: packing saves nothing, the padded rows (and prefix) stay.
+    long = build_batch(rollouts([40] * 16, (20, 20, 20, 20)), adv, 128, G, row_unit=1)
+    assert long["advantages"].ndim == 1 and "shared_prefix" in long
+
+
+CASES = {
+    "token_clip": {"loss": "token_clip"},
+    "dual_clip+kl": {"loss": "token_clip", "dual_clip": 3.0, "beta": 0.1},
+    "gspo+seq_mean_token_mean": {"loss": "gspo", "clip_low": 0.05, "clip_high": 0.05,
+                                 "aggregation": "seq_mean_token_mean"},
+    "gspo_token+drgrpo_norm+tis_seq": {"loss": "gspo_token", "clip_low": 0.05, "clip_high": 0.05,
+                                       "aggregation": "seq_mean_token_sum_norm",
+                                       "tis": {"level": "sequence", "cap": 2.0}},
+    "seq_mean_token_sum+tis_token": {"aggregation": "seq_mean_token_sum",
+                                     "tis": {"level": "token", "cap": 1.5}},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    save_tiny_hf_model(d, "qwen3")
+    return from_pretrained(d, scan_layers=False)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_packed_batch_gives_the_padded_loss_gradients_logprobs_and_metrics(tiny, case):
+    cfg = RunConfig.model_validate({"algorithm": "grpo", "grpo": {"group_size": G, **CASES[case]},
+                                    "rewards": {"functions": [{"fn": "exact_match"}]}})
+    rs = rollouts(MIXED)
+    rewards = np.array([1, 0, 0, 1, 0, 1, 1, 0, 1, 1, 1, 0, 0, 0, 1, 0], float)
+    adv = grpo_advantages(rewards, G)
+    batches = {name: {k: jnp.asarray(v) for k, v in build_batch(rs, adv, 128, G, unit).items()}
+               for name, unit in (("padded", 0), ("packed", 1))}
+    assert batches["packed"]["advantages"].ndim == 2
+    graphdef, params, rest = nnx.split(tiny, nnx.Param, ...)
+    loss_fn = make_loss_fn(cfg)
+
+    def f(p, b):
+        s, n, aux = loss_fn(nnx.merge(graphdef, p, rest), b)
+        return s / n, aux
+
+    out = {}
+    for name, b in batches.items():
+        # pi_old and pi_ref off the current policy (the rollout log-probs as the offset), so
+        # that ratios clip and the KL is not zero: the same per token in either layout.
+        logp = f(params, {**b, "logp_ref": b["logp_rollout"]})[1]["rows/logp"]
+        b = {**b, "logp_old": logp + b["logp_rollout"], "logp_ref": logp - 0.5 * b["logp_rollout"]}
+        (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(params, b)
+        out[name] = loss, aux, grads
+    (l_pad, a_pad, g_pad), (l_pack, a_pack, g_pack) = out["padded"], out["packed"]
+    # fp32, the same arithmetic in other shapes and orders (reduction order): ~1e-7 per op.
+    np.testing.assert_allclose(float(l_pack), float(l_pad), rtol=1e-5)
+    assert float(a_pad["clip_fraction"]) > 0  # the case exercises clipping
+    for k in a_pad:
+        np.testing.assert_allclose(float(a_pack[k]), float(a_pad[k]), rtol=1e-5, atol=1e-7,
+                                   err_msg=k)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(g_pack), nnx.to_flat_state(g_pad)):
+        a, b = np.asarray(a[...]), np.asarray(b[...])
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b) + 1e-8, path
