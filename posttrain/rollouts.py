@@ -149,29 +149,22 @@ def shared_prefix_len(rollouts, group_size: int, seq_len: int, bucket: int = 16)
     return n
 
 
-def pack_layout(lengths: list[int], row_len: int) -> list[list[int]]:
-    """First-fit decreasing: the sequences (by index) of each row of `row_len` tokens."""
+def packed_rows(lengths: list[int], row_len: int, row_unit: int) -> list[list[int]]:
+    """The sequences (by index) of each row of `row_len` tokens, packed first-fit decreasing;
+    the row count rounded up to a bucket of about B / 8 rows (few shapes compile) that is a
+    multiple of `row_unit` (the rows every micro-batch's shard must divide into)."""
     rows: list[list[int]] = []
     free: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         r = next((r for r, f in enumerate(free) if f >= lengths[i]), None)
         if r is None:
-            rows.append([]), free.append(row_len)
-            r = len(rows) - 1
+            r = len(rows)
+            rows.append([])
+            free.append(row_len)
         rows[r].append(i)
         free[r] -= lengths[i]
-    return rows
-
-
-def packed_rows(lengths: list[int], row_len: int, row_unit: int) -> list[list[int]] | None:
-    """The packed layout when it saves work: its row count rounded up to a bucket (a multiple of
-    `row_unit`, the rows every micro-batch's shard must divide into, about B / 8: few shapes
-    compile), below the B rows of the padded layout; None otherwise."""
-    b = len(lengths)
-    bucket = row_unit * max(1, b // (8 * row_unit))
-    layout = pack_layout(lengths, row_len)
-    n = -(-len(layout) // bucket) * bucket
-    return layout + [[] for _ in range(n - len(layout))] if n < b else None
+    bucket = row_unit * max(1, len(lengths) // (8 * row_unit))
+    return rows + [[] for _ in range(-len(rows) % bucket)]
 
 
 def build_batch(rollouts, advantages: np.ndarray, seq_len: int,
@@ -194,14 +187,12 @@ def build_batch(rollouts, advantages: np.ndarray, seq_len: int,
     seq_len = batch_length(rollouts, seq_len)
     seqs = [(r.prompt_token_ids + r.token_ids)[:seq_len] for r in rollouts]
     n_shared = shared_prefix_len(rollouts, group_size, seq_len)
-    layout = None
+    layout, packed = [[i] for i in range(b)], False
     if row_unit:
-        layout = packed_rows([len(x) for x in seqs], seq_len, row_unit)
+        candidate = packed_rows([len(x) for x in seqs], seq_len, row_unit)
         padded_cost = b * seq_len - (b - b // max(group_size, 1)) * n_shared
-        if layout is not None and len(layout) * seq_len >= padded_cost:
-            layout = None
-    if layout is None:
-        layout = [[i] for i in range(b)]
+        if len(candidate) * seq_len < padded_cost:
+            layout, packed = candidate, True
     rows = len(layout)
     tokens = np.zeros((rows, seq_len), np.int32)
     seg = np.zeros((rows, seq_len), np.int32)
@@ -227,7 +218,6 @@ def build_batch(rollouts, advantages: np.ndarray, seq_len: int,
             col += n
     targets = np.zeros_like(tokens)
     targets[:, :-1] = tokens[:, 1:]
-    packed = rows != b or any(len(m) != 1 for m in layout)
     if not packed:
         pos = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (b, seq_len)).copy()
     out = {"tokens": tokens, "targets": targets, "positions": pos, "segment_ids": seg,

@@ -11,7 +11,7 @@ from flax import nnx
 from posttrain.algorithms.grpo import grpo_advantages, make_loss_fn
 from posttrain.config import RunConfig
 from posttrain.models import from_pretrained
-from posttrain.rollouts import build_batch, pack_layout, packed_rows
+from posttrain.rollouts import build_batch, packed_rows
 from rollout.engine import Rollout
 from tests.helpers import save_tiny_hf_model
 
@@ -36,13 +36,13 @@ MIXED = [3, 5, 40, 2, 7, 4, 3, 30, 6, 2, 5, 9, 4, 35, 3, 8]  # mostly short, a f
 
 
 def test_first_fit_decreasing_fills_rows_and_the_row_count_is_bucketed():
-    assert pack_layout([5, 3, 4, 2], 8) == [[0, 1], [2, 3]]
-    assert sorted(i for r in pack_layout(MIXED, 64) for i in r) == list(range(len(MIXED)))
+    assert packed_rows([5, 3, 4, 2], 8, 1) == [[0, 1], [2, 3]]
+    assert sorted(i for r in packed_rows(MIXED, 64, 1) for i in r) == list(range(len(MIXED)))
     lens = [10] * 16
     rows = packed_rows(lens, 64, 1)  # 3 rows of 6 -> rounded up to the bucket of 16 / 8 = 2
     assert len(rows) == 4 and sum(map(len, rows)) == 16
     assert len(packed_rows(lens, 64, 4)) % 4 == 0  # a multiple of the row unit
-    assert packed_rows([60] * 16, 64, 1) is None  # one a row: nothing to gain
+    assert len(packed_rows([60] * 16, 64, 1)) == 16  # one a row (build_batch keeps it padded)
 
 
 def test_the_packed_batch_holds_every_completion_once_within_its_segment():
