@@ -101,6 +101,10 @@ class DataSection(Strict):
     generated: GeneratedData = GeneratedData()
     seq_len: int = Field(256, gt=1)
     pack: bool = True
+    packing: Literal["first_fit", "next_fit"] = Field("first_fit", description=(
+        "how examples fill a packed row: first_fit puts each in the first row with room (5% of "
+        "the quickstart's pretraining rows left empty); next_fit closes a row at the first "
+        "example that overflows it (16%). Both consume the data in order"))
     loss_on: Literal["assistant", "all", "last_turn"] = "assistant"
     truncation: Literal["right", "left", "drop"] = "right"
     shuffle_seed: int = 0

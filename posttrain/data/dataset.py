@@ -236,8 +236,9 @@ class PackedBatches:
     """Seeded, resumable iterator of packed batches over encoded rows."""
 
     def __init__(self, rows, encoder: Encoder, batch_size: int, seq_len: int, seed: int,
-                 pack: bool = True, shuffle: bool = True):
+                 pack: bool = True, shuffle: bool = True, first_fit: bool = True):
         self.rows, self.encoder = rows, encoder
+        self.first_fit = first_fit
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         self.pack, self.shuffle = pack, shuffle
         self.n = len(rows)
@@ -286,7 +287,7 @@ class PackedBatches:
             if tokens > budget + self.seq_len or len(cands) > 4 * budget:
                 break
         real = [c for c in cands if c is not None]
-        batch, used = pack_rows(real, self.batch_size, self.seq_len, self.pack)
+        batch, used = pack_rows(real, self.batch_size, self.seq_len, self.pack, self.first_fit)
         # advance past `used` real examples (and the skipped ones among them)
         consumed_real, k = 0, 0
         while k < len(cands) and (consumed_real < used or cands[k] is None):

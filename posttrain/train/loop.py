@@ -132,7 +132,8 @@ def train_language_model(cfg: RunConfig, run_dir: Path, loss_fn=next_token_loss)
     train_rows = load_rows(cfg.data.source, "train", cfg.data)
     encoder = Encoder(tokenizer, cfg.data, cfg.data.source)
     data = PackedBatches(train_rows, encoder, t.batch_size, cfg.data.seq_len,
-                         cfg.data.shuffle_seed, cfg.data.pack)
+                         cfg.data.shuffle_seed, cfg.data.pack,
+                         first_fit=cfg.data.packing == "first_fit")
     eval_batches = _eval_batches(cfg, tokenizer)
     trainer = make_trainer(cfg, run_dir, model_cfg, loss_fn)
     tracker = None
@@ -208,5 +209,6 @@ def _eval_batches(cfg: RunConfig, tokenizer) -> list[dict]:
         return []
     rows = load_rows(src, "eval", cfg.data)
     it = PackedBatches(rows, Encoder(tokenizer, cfg.data, src), cfg.train.batch_size,
-                       cfg.data.seq_len, seed=0, pack=cfg.data.pack, shuffle=False)
+                       cfg.data.seq_len, seed=0, pack=cfg.data.pack, shuffle=False,
+                       first_fit=cfg.data.packing == "first_fit")
     return [it.next_batch()[0] for _ in range(cfg.train.eval_batches)]

@@ -40,3 +40,23 @@ def test_packed_loss_equals_unpacked_per_sequence():
         total_s, total_n = total_s + float(s), total_n + float(n)
     assert float(n_packed) == total_n == 7 + 5 + 9 - 3
     np.testing.assert_allclose(float(s_packed), total_s, rtol=1e-5)
+
+
+def test_first_fit_fills_earlier_rows_and_consumes_a_prefix():
+    # next fit would close row 0 at the 4-token example and leave 3 columns empty; first fit
+    # puts the later 2-token example there. It stops at the first example that fits nowhere
+    # (the 5), even though the 1 after it would fit: a batch consumes a prefix of the data.
+    ex = [([1] * 4, [1] * 4), ([2] * 4, [1] * 4), ([3] * 2, [1] * 2), ([4] * 5, [1] * 5),
+          ([5], [1])]
+    b, used = pack_rows(ex, rows=2, seq_len=6)
+    assert used == 3
+    np.testing.assert_array_equal(b["tokens"], [[1, 1, 1, 1, 3, 3], [2, 2, 2, 2, 0, 0]])
+    np.testing.assert_array_equal(b["segment_ids"], [[1, 1, 1, 1, 2, 2], [1, 1, 1, 1, 0, 0]])
+    np.testing.assert_array_equal(b["positions"], [[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 0, 0]])
+    # next fit: row 0 is closed by the second example; the 2 follows it in row 1, the 5 ends it
+    b, used = pack_rows(ex, rows=2, seq_len=6, first_fit=False)
+    assert used == 3
+    np.testing.assert_array_equal(b["tokens"], [[1, 1, 1, 1, 0, 0], [2, 2, 2, 2, 3, 3]])
+    # without packing: one example per row, in order
+    b, used = pack_rows(ex, rows=2, seq_len=6, pack=False)
+    assert used == 2 and b["tokens"][:, 0].tolist() == [1, 2] and b["segment_ids"].max() == 1
