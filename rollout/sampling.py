@@ -38,6 +38,21 @@ def process_logits(logits_bv: jax.Array, temperature, top_k, top_p) -> jax.Array
     return jnp.where(x >= cutoff, x, NEG)
 
 
+def inverse_cdf(key, logprobs_bv: jax.Array) -> jax.Array:
+    """One draw per row from softmax(logprobs): the first token whose cumulative probability
+    exceeds a uniform draw scaled to the row's total. One random number per row where
+    `jax.random.categorical` (Gumbel-max) needs one per vocabulary entry: on CPU the threefry
+    draws of a [64, 512] Gumbel made a jitted 200-step sampling loop 1.6-3x slower (AVX-512:
+    0.62 vs 0.38 ms per step; AVX2: 1.30 vs 0.42). The same distribution: the chi-square tests
+    of tests/rollout/test_sampling.py.
+    Tokens with zero probability add nothing to the cumulative sum, so they are never drawn."""
+    cdf = jnp.cumsum(jnp.exp(logprobs_bv), axis=-1)
+    u = jax.random.uniform(key, (cdf.shape[0], 1), cdf.dtype) * cdf[:, -1:]
+    idx = jnp.sum(cdf <= u, axis=-1)
+    # u * total may round up to the total: the last token with mass, not one past the end
+    return jnp.where(idx >= cdf.shape[-1], jnp.argmax(cdf, axis=-1), idx).astype(jnp.int32)
+
+
 def sample(key, logits_bv: jax.Array, temperature, top_k, top_p, full=False
            ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(tokens [B], logprobs [B], kept counts [B]). Greedy when temperature == 0 (log-prob of
@@ -48,10 +63,11 @@ def sample(key, logits_bv: jax.Array, temperature, top_k, top_p, full=False
     filtering = (jnp.asarray(top_k) > 0) | (jnp.asarray(top_p) < 1.0)  # arrays: `~` is logical
     processed = jax.lax.cond(filtering, lambda x: process_logits(x, temperature, top_k, top_p),
                              lambda x: scaled, logits_bv)
-    sampled = jax.random.categorical(key, processed, axis=-1)
+    lp_processed = jax.nn.log_softmax(processed, axis=-1)
+    sampled = inverse_cdf(key, lp_processed)
     is_greedy = temperature <= 0
     tok = jnp.where(is_greedy, jnp.argmax(logits_bv, axis=-1), sampled)
     lp = jnp.where(is_greedy, jax.nn.log_softmax(logits_bv.astype(jnp.float32), axis=-1),
-                   jax.nn.log_softmax(jnp.where(full, scaled, processed), axis=-1))
+                   jnp.where(full, jax.nn.log_softmax(scaled, axis=-1), lp_processed))
     kept = jnp.where(is_greedy | ~filtering, v, (processed > NEG / 2).sum(-1))
     return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0], kept.astype(jnp.int32)
