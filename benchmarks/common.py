@@ -80,6 +80,45 @@ def matmul_floor_seconds(cfg: ModelConfig, batch: int, prompt_len: int, new_toke
     return {"rollout": rollout_s, "update": update_s, "step": rollout_s + update_s}
 
 
+def op_times(run, reps: int, trace_dir) -> dict[str, tuple[float, int]]:
+    """Trace `reps` calls of `run()` with the JAX profiler and sum the XLA:CPU thunks' durations
+    per op: {op name: (ms per call, executions per call)}. On CPU, `ynn_fusion*` are YNNPACK dot
+    fusions (the matmuls); the rest element-wise, copy and transpose fusions. Op time can exceed
+    wall time: the thunk executor runs independent thunks on both cores at once."""
+    import collections
+    import gzip
+    import json
+    from pathlib import Path
+
+    jax.profiler.start_trace(str(trace_dir), create_perfetto_trace=True)
+    for _ in range(reps):
+        jax.block_until_ready(run())
+    jax.profiler.stop_trace()
+    with gzip.open(max(Path(trace_dir).rglob("*.trace.json.gz"))) as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    ms: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    for e in events:
+        name = e.get("name", "")
+        if (e.get("ph") == "X" and "dur" in e
+                and not name.startswith(("ThunkExecutor", "$", "Slinky", "Pjit", "np.asarray"))):
+            ms[name] += e["dur"] / reps / 1e3
+            count[name] += 1
+    return {name: (ms[name], count[name] // reps) for name in ms}
+
+
+def op_kinds(ops: dict[str, tuple[float, int]]) -> dict[str, float]:
+    """ms per call summed by op kind (`ynn_fusion.12` -> `ynn_fusion`), largest first."""
+    import collections
+    import re
+
+    kinds: collections.Counter = collections.Counter()
+    for name, (ms, _) in ops.items():
+        kinds[re.sub(r"[.\d]+$", "", name)] += ms
+    return dict(kinds.most_common())
+
+
 TUNIX_VENV = "benchmarks/peers/setup_tunix.sh"
 
 

@@ -13,10 +13,6 @@ thunk executor runs independent thunks on both cores at once.
 from __future__ import annotations
 
 import argparse
-import collections
-import gzip
-import json
-import re
 import sys
 import tempfile
 import time
@@ -24,6 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import op_kinds, op_times  # noqa: E402
 
 B, T = 64, 96
 
@@ -91,29 +89,20 @@ def main() -> None:
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
     print(f"update step [{B}, {T}]: {min(times):.3f} s (best of 5)")
-    reps = 3
-    jax.profiler.start_trace(str(work / "trace"), create_perfetto_trace=True)
-    for _ in range(reps):
-        state, m = step(state, batch)
-        jax.block_until_ready(m)
-    jax.profiler.stop_trace()
-    with gzip.open(max((work / "trace").rglob("*.trace.json.gz"))) as f:
-        events = json.load(f)
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    per_op: collections.Counter = collections.Counter()
-    for e in events:
-        name = e.get("name", "")
-        if e.get("ph") == "X" and "dur" in e and not name.startswith(("ThunkExecutor", "$", "Slinky", "Pjit")):
-            per_op[name] += e["dur"] / reps / 1e3
-    kinds: collections.Counter = collections.Counter()
-    for name, ms in per_op.items():
-        kinds[re.sub(r"[.\d]+$", "", name)] += ms
+    carry = [state]  # the step donates its state: each traced call takes the last one's
+
+    def one_step():
+        carry[0], metrics = step(carry[0], batch)
+        return metrics
+
+    ops = op_times(one_step, 3, work / "trace")
+    kinds = op_kinds(ops)
     total = sum(kinds.values())
     print(f"op time per step {total:.0f} ms, by kind:")
-    for kind, ms in kinds.most_common(args.top):
+    for kind, ms in list(kinds.items())[:args.top]:
         print(f"  {ms:8.1f} ms  {100 * ms / total:5.1f}%  {kind}")
     print("largest ops:")
-    for name, ms in per_op.most_common(args.top):
+    for name, (ms, _) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"  {ms:8.1f} ms  {name}")
 
 

@@ -127,12 +127,32 @@ def _copy_tree(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
+@partial(jax.jit, donate_argnums=0, keep_unused=True)
+def _copy_into(old, new):
+    """`new`'s values written into `old`'s buffers (donated; same tree, shapes and dtypes).
+    Memory the engine has already touched: a fresh copy of a 2 GB state page-faults its way in
+    at a third of memcpy speed on these CPUs (504M model: 0.45 s, against 0.16 s for a numpy copy
+    into warm memory)."""
+    del old
+    return jax.tree.map(jnp.copy, new)
+
+
+def _same_arrays(a, b) -> bool:
+    """Same tree, and every leaf the same shape and dtype."""
+    return (jax.tree.structure(a) == jax.tree.structure(b)
+            and all(x.shape == y.shape and x.dtype == y.dtype
+                    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
+
+
 class JaxEngine:
     def __init__(self, model: CausalLM, tokenizer=None, *, eos_token_ids: Sequence[int] = (),
                  version: int = 0, seed: int = 0, copy_weights: bool = False):
         self.graphdef, self.state = nnx.split(model)
+        # Whether `state` is the engine's own copy (nobody else holds its buffers), which a sync
+        # may then overwrite in place.
+        self._owns_state = copy_weights
         if copy_weights:  # colocated with a trainer that donates its buffers
-            self.state = jax.tree.map(jnp.copy, self.state)
+            self.state = _copy_tree(self.state)
         self.cfg = model.cfg
         self.tokenizer = tokenizer
         eos = set(eos_token_ids)
@@ -158,9 +178,12 @@ class JaxEngine:
         t0 = time.perf_counter()
         if isinstance(weights, nnx.State):
             # Own copy: the trainer donates its state buffers to the next step. The same tree
-            # as the engine's (the colocated case): one jitted copy of every leaf, one dispatch.
-            if jax.tree.structure(weights) == jax.tree.structure(self.state):
-                self.state = _copy_tree(weights)
+            # as the engine's (the colocated case): one jitted copy of every leaf, one dispatch,
+            # into the engine's previous buffers when they are its own.
+            if _same_arrays(weights, self.state):
+                self.state = (_copy_into(self.state, weights) if self._owns_state
+                              else _copy_tree(weights))
+                self._owns_state = True
             else:  # a part of the state (the parameters): merged in
                 nnx.update(model := nnx.merge(self.graphdef, self.state), _copy_tree(weights))
                 _, self.state = nnx.split(model)
@@ -221,6 +244,7 @@ class JaxEngine:
                                f"{len(missing)} parameter(s) not received, e.g. {missing[:3]}")
         model = set_params(nnx.merge(self.graphdef, self.state), self._ready)
         _, self.state = nnx.split(model)
+        self._owns_state = False  # parameters may wrap memory the engine borrowed (`load_weights`)
         self._incoming = self._ready = None
         self.version = version
         self.last_digest = self._digest.hexdigest() if self._digest is not None else None

@@ -141,6 +141,37 @@ def test_jax_engine_serves_synced_weights(setup):
     assert {o.version for o in outs} == {1} and m["sync/bytes"] > 0
 
 
+def test_colocated_sync_writes_into_the_engines_own_buffers_only(setup):
+    """A colocated sync copies the trainer's state into the engine's previous buffers (warm
+    memory, no fresh allocation) once those are the engine's own copy; an engine that borrows
+    its model's arrays leaves them alive, and the trainer's arrays are never consumed."""
+    d, _, tok, updated = setup
+    original = from_pretrained(d)
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    eng = JaxEngine(original, tok)  # borrows `original`'s arrays
+    before = [r.token_ids for r in eng.generate(PROMPTS, greedy)]
+
+    def buffers(tree):
+        return [x.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)]
+
+    borrowed = buffers(nnx.state(original))
+    eng.update_weights(nnx.state(updated), version=1)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(nnx.state(original)))
+    assert set(buffers(eng.state)).isdisjoint(borrowed)
+    own = buffers(eng.state)
+    eng.update_weights(nnx.state(from_pretrained(d)), version=2)  # back to the original weights
+    assert buffers(eng.state) == own  # written in place
+    assert not any(x.is_deleted() for x in jax.tree.leaves(nnx.state(updated)))
+    assert [r.token_ids for r in eng.generate(PROMPTS, greedy)] == before
+
+    colocated = JaxEngine(from_pretrained(d), tok, copy_weights=True)
+    own = buffers(colocated.state)
+    colocated.update_weights(nnx.state(updated), version=1)
+    assert buffers(colocated.state) == own
+    for a, b in zip(jax.tree.leaves(colocated.state), jax.tree.leaves(nnx.state(updated))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.slow
 def test_vllm_engine_greedy_logprobs_and_sync(setup, tmp_path):
     """vLLM serves the directory `posttrain convert orbax-to-hf` wrote after an HF -> Orbax -> HF

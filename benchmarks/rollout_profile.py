@@ -1,0 +1,105 @@
+"""Where the JAX engine's decode time goes, on the reference workload of `rollout_throughput.py`.
+
+    python -m benchmarks.rollout_profile [--shape reference|large] [--top 20]
+
+64 prompts of 8-24 tokens, 64 new tokens each at temperature 1 (EOS ignored), the engine's own
+jitted generation with unrolled layers. Prints, against the matmul peak measured in the same run:
+- seconds per generation and per decode step (best of 7);
+- the decode step's ops from a JAX profiler trace (`benchmarks.common.op_times`): how many
+  thunks one step runs, the dot fusions' share (the matmuls, attention's included) and the rate
+  they reach inside the loop, against the same weight matmuls alone in a jitted loop of 64 steps
+  (`matmul_floor_seconds`);
+- the step time against the KV cache's length (new tokens 32 .. 192): the part of a step that
+  grows with the slots attention reads, and the part that does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PROMPTS, NEW = 64, 64
+
+
+def best_seconds(fn, reps: int = 7) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    import numpy as np
+
+    from benchmarks.common import (REFERENCE, matmul_floor_seconds, matmul_peak_gflops, op_kinds,
+                                   op_times)
+    from benchmarks.rollout_throughput import SHAPES
+    from posttrain.models import build_model
+    from rollout.engine import SamplingParams
+    from rollout.jax_engine import JaxEngine
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="reference", choices=list(SHAPES))
+    ap.add_argument("--top", type=int, default=20)
+    args = ap.parse_args()
+    s = SHAPES[args.shape]
+    cfg = REFERENCE.model_copy(update=dict(
+        hidden_size=s["hidden"], intermediate_size=s["inter"], num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"], num_key_value_heads=s["kv"], head_dim=s["head_dim"],
+        scan_layers=False))
+    engine = JaxEngine(build_model(cfg))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 400, int(rng.integers(8, 24))).tolist() for _ in range(PROMPTS)]
+
+    def generate(new: int = NEW):
+        sp = SamplingParams(temperature=1.0, max_tokens=new, seed=0, ignore_eos=True)
+        return lambda: engine.generate(prompts, sp)
+
+    peak = matmul_peak_gflops()
+    wall = best_seconds(generate())
+    floor = matmul_floor_seconds(cfg, PROMPTS, 0, NEW)["rollout"]
+    print(f"shape {args.shape}; matmul peak measured now: {peak:.0f} GFLOP/s (f32)")
+    print(f"generation {PROMPTS} x {NEW}: {wall * 1e3:.0f} ms ({PROMPTS * NEW / wall:,.0f} tokens/s), "
+          f"{wall / NEW * 1e3:.2f} ms per decode step; the weight matmuls alone in a jitted loop: "
+          f"{floor * 1e3:.0f} ms ({wall / floor:.2f}x)")
+
+    ops = op_times(generate(), 3, Path(tempfile.mkdtemp(prefix="rollout_profile_")))
+    per_step = {n: (ms, c) for n, (ms, c) in ops.items() if c == NEW}  # the while loop's body
+    kinds = op_kinds(per_step)
+    total = sum(kinds.values())
+    dots = sum(ms for k, ms in kinds.items() if k.startswith("ynn"))
+    matmul_gflop = 2 * PROMPTS * NEW * matmul_params(cfg) / 1e9
+    print(f"decode loop: {len(per_step)} ops per step, op time {total / NEW:.2f} ms per step; "
+          f"dot fusions {dots / NEW:.2f} ms ({100 * dots / total:.0f}%), the weight matmuls' "
+          f"{matmul_gflop:.1f} GFLOP at {matmul_gflop / dots * 1e3:.0f} GFLOP/s counting every dot "
+          f"(the floor loop: {matmul_gflop / floor:.0f} GFLOP/s)")
+    for kind, ms in list(kinds.items())[:args.top // 2]:
+        print(f"  {ms / NEW:7.3f} ms/step  {100 * ms / total:5.1f}%  {kind}")
+    print("largest ops per step:")
+    for name, (ms, _) in sorted(per_step.items(), key=lambda kv: -kv[1][0])[:args.top]:
+        print(f"  {ms / NEW:7.3f} ms  {name}")
+
+    print("step time against the KV cache's length (prompt bucket 32 + new tokens):")
+    for new in (32, 64, 128, 192):
+        t = best_seconds(generate(new), reps=4)
+        print(f"  {32 + new:4d} slots: {t / new * 1e3:.2f} ms per step")
+
+
+def matmul_params(cfg) -> int:
+    """Weights one decoded token multiplies: every layer's projections and the LM head."""
+    e, f = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return cfg.num_hidden_layers * (e * (q + 2 * kv) + q * e + 3 * e * f) + e * cfg.vocab_size
+
+
+if __name__ == "__main__":
+    main()
