@@ -3,7 +3,8 @@
 One jitted function does the whole generation: a prefill of the (right-padded) prompts into the
 KV cache, then a `lax.while_loop` that samples a token per sequence, feeds it back, and stops as
 soon as every sequence has hit a stop token or the length limit. No Python runs per token. The n
-samples of a prompt share its prefill (its KV cache repeated n times). Shapes are bucketed
+samples of a prompt share its prefill (its KV cache repeated n times), and many short prompts are
+prefilled packed several to a row, then laid out one per cache row. Shapes are bucketed
 (rows to a power of two up to 64, then a multiple of 64; prompt and generation lengths to
 multiples of 32) so a new batch rarely compiles. With a sharded model the same function runs
 over the mesh.
@@ -42,18 +43,22 @@ def bucket_rows(n: int, minimum: int = 8, step: int = 64) -> int:
 
 @partial(jax.jit, static_argnames=("graphdef", "gen_len", "group"))
 def _generate(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p, full, max_new,
-              stop_ids, gen_len: int, group: int = 1):
+              stop_ids, gen_len: int, group: int = 1, packing=None):
     """`tokens_bt` [P, T]: the distinct prompts, each prefilled once; its KV cache and last
     logits are then repeated `group` times, so rows i * group .. i * group + group - 1 of the
     P * group decoded in lockstep are the group's samples of prompt i (GRPO's G completions
-    share one prefill)."""
+    share one prefill). `packing`: None, or the prompts packed several to a row for the prefill
+    (`pack_prompts`), which then runs over fewer padded positions."""
     model = nnx.merge(graphdef, state)
     u, tp = tokens_bt.shape
-    cache = KVCache.init(model.cfg, u, tp + gen_len)
-    pos = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (u, tp))
-    seg = (pos < lens_b[:, None]).astype(jnp.int32)
-    logits, cache = model(tokens_bt, pos, seg, cache=cache)
-    last = jnp.take_along_axis(logits, (lens_b - 1)[:, None, None], axis=1)[:, 0]
+    if packing is None:
+        cache = KVCache.init(model.cfg, u, tp + gen_len)
+        pos = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (u, tp))
+        seg = (pos < lens_b[:, None]).astype(jnp.int32)
+        logits, cache = model(tokens_bt, pos, seg, cache=cache)
+        last = jnp.take_along_axis(logits, (lens_b - 1)[:, None, None], axis=1)[:, 0]
+    else:
+        cache, last = _packed_prefill(model, packing, lens_b, tp + gen_len)
     cache, last, lens_b = cache.repeat(group), jnp.repeat(last, group, 0), jnp.repeat(lens_b, group)
     b = u * group
 
@@ -80,6 +85,65 @@ def _generate(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p
             jnp.zeros((b,), bool), jnp.zeros((b,), jnp.int32))
     _, _, _, out_t, out_lp, out_k, _, n = jax.lax.while_loop(cond, body, init)
     return out_t, out_lp, out_k, n
+
+
+def pack_prompts(prompts: list[list[int]], rows: int, row_len: int) -> dict | None:
+    """The prompts packed first-fit decreasing into rows of `row_len` tokens for one prefill
+    (segment ids keep each prompt's attention to itself, positions restart per prompt), with
+    where each prompt lies (`row`, `offset`); the row count bucketed to a multiple of 8. None
+    when that saves fewer than a quarter of the `rows` x `row_len` positions the plain prefill
+    runs (a GRPO batch's few distinct prompts, prompts near the bucket's length)."""
+    from posttrain.rollouts import packed_rows
+
+    layout = [r for r in packed_rows([len(p) for p in prompts], row_len, 1) if r]
+    n_rows = bucket_mult(len(layout), 8)
+    if n_rows > 0.75 * rows:
+        return None
+    tokens, pos, seg = (np.zeros((n_rows, row_len), np.int32) for _ in range(3))
+    row, offset = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
+    for r, members in enumerate(layout):
+        at = 0
+        for k, i in enumerate(members):
+            n = len(prompts[i])
+            tokens[r, at:at + n], pos[r, at:at + n], seg[r, at:at + n] = prompts[i], np.arange(n), k + 1
+            row[i], offset[i] = r, at
+            at += n
+    return {"tokens": tokens, "positions": pos, "segments": seg, "row": row, "offset": offset}
+
+
+def _packed_prefill(model, packing, lens_b, slots: int):
+    """Prefill the packed rows, then lay each prompt's keys/values out as its own cache row
+    (slots 0 .. T-1 hold its tokens, the rest of its first T slots empty), as the plain prefill
+    leaves them; and each prompt's last logits."""
+    tokens, row, offset = packing["tokens"], packing["row"], packing["offset"]
+    r, t = tokens.shape
+    packed = KVCache.init(model.cfg, r, t)
+    x, packed, _ = model.hidden_states(tokens, packing["positions"], packing["segments"], packed)
+    u = row.shape[0]
+    j = jnp.arange(t, dtype=jnp.int32)
+    src = jnp.minimum(offset[:, None] + j, t - 1)  # [U, T]: the packed slot of prompt i's token j
+    valid = j[None, :] < lens_b[:, None]
+
+    def unpack(buf, slot_axis: int):  # [R, K, D, T] (keys) or [R, K, T, D] (values) -> [U, ...]
+        rows = buf[row]
+        idx = src[:, None, None, :] if slot_axis == 3 else src[:, None, :, None]
+        keep = valid[:, None, None, :] if slot_axis == 3 else valid[:, None, :, None]
+        out = jnp.where(keep, jnp.take_along_axis(rows, idx, axis=slot_axis), 0)
+        pad = [(0, 0)] * out.ndim
+        pad[slot_axis] = (0, slots - t)
+        return jnp.pad(out, pad)
+
+    if isinstance(packed.k, tuple):
+        k = tuple(unpack(b, 3) for b in packed.k)
+        v = tuple(unpack(b, 2) for b in packed.v)
+    else:  # scanned layers: [L, R, ...]
+        k = jax.vmap(lambda b: unpack(b, 3))(packed.k)
+        v = jax.vmap(lambda b: unpack(b, 2))(packed.v)
+    pos = jnp.pad(jnp.where(valid, j, 0), ((0, 0), (0, slots - t)))
+    seg = jnp.pad(valid.astype(jnp.int32), ((0, 0), (0, slots - t)))
+    cache = KVCache(k, v, pos, seg, jnp.asarray(t, jnp.int32))
+    last_x = x[row, offset + lens_b - 1]  # [U, E]
+    return cache, model.logits_from_hidden(last_x[:, None])[:, 0]
 
 
 @partial(jax.jit, static_argnames=("graphdef",))
@@ -146,8 +210,10 @@ def _same_arrays(a, b) -> bool:
 
 class JaxEngine:
     def __init__(self, model: CausalLM, tokenizer=None, *, eos_token_ids: Sequence[int] = (),
-                 version: int = 0, seed: int = 0, copy_weights: bool = False):
+                 version: int = 0, seed: int = 0, copy_weights: bool = False,
+                 pack_prefill: bool = True):
         self.graphdef, self.state = nnx.split(model)
+        self.pack_prefill = pack_prefill  # prompts several to a row in the prefill (`pack_prompts`)
         # Whether `state` is the engine's own copy (nobody else holds its buffers), which a sync
         # may then overwrite in place.
         self._owns_state = copy_weights
@@ -283,11 +349,13 @@ class JaxEngine:
         stop_ids[: len(stop)] = stop
         seed = params.seed if params.seed is not None else self._seed * 1_000_003 + self._calls
         self._calls += 1
+        packing = pack_prompts(prompts, u, tp) if self.pack_prefill else None
         out_t, out_lp, out_k, n = jax.device_get(_generate(
             self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(lens), jax.random.key(seed),
             jnp.float32(params.temperature), jnp.int32(params.top_k), jnp.float32(params.top_p),
             jnp.bool_(params.logprobs == "full"), jnp.int32(params.max_tokens),
-            jnp.asarray(stop_ids), gen_len=gen_len, group=params.n))
+            jnp.asarray(stop_ids), gen_len=gen_len, group=params.n,
+            packing=None if packing is None else jax.tree.map(jnp.asarray, packing)))
         out = []
         stop_set = set(stop)
         for i, r in enumerate(rows):

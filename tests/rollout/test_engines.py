@@ -251,6 +251,37 @@ def test_shared_prefill_equals_one_prefill_per_sample(setup, scan):
             assert len({tuple(o.token_ids) for o in shared[:n]}) > 1
 
 
+@pytest.mark.parametrize("scan", [False, True])
+def test_packed_prefill_equals_the_plain_prefill(setup, scan):
+    """Prompts packed several to a row for the prefill, then laid out one per cache row: the
+    same tokens and kept counts as one prompt per row, log-probs within 1e-5 (the prefill's
+    matmuls run over other rows: fp32 reduction order only), greedy and sampled, n = 1 and 2."""
+    from rollout.jax_engine import pack_prompts
+
+    d, _, tok, _ = setup
+    model = from_pretrained(d, scan_layers=scan)
+    packed, plain = JaxEngine(model, tok), JaxEngine(model, tok, pack_prefill=False)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, model.cfg.vocab_size, int(rng.integers(2, 30))).tolist()
+               for _ in range(45)]
+    layout = pack_prompts(prompts, 64, 32)  # the engine's buckets for these prompts
+    assert layout is not None and layout["tokens"].shape[0] <= 32
+    for i, p in enumerate(prompts):  # each prompt once, whole, in a segment of its own
+        r, o = layout["row"][i], layout["offset"][i]
+        assert layout["tokens"][r, o:o + len(p)].tolist() == p
+        assert layout["positions"][r, o:o + len(p)].tolist() == list(range(len(p)))
+        assert len(set(layout["segments"][r, o:o + len(p)])) == 1
+        assert (layout["segments"][r] == layout["segments"][r, o]).sum() == len(p)
+    for sp in (SamplingParams(temperature=0, max_tokens=16),
+               SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, n=2, seed=3)):
+        a, b = packed.generate(prompts, sp), plain.generate(prompts, sp)
+        assert [o.token_ids for o in a] == [o.token_ids for o in b], sp
+        assert [o.kept_counts for o in a] == [o.kept_counts for o in b], sp
+        gap = max(np.abs(np.subtract(x.logprobs, y.logprobs)).max() for x, y in zip(a, b))
+        assert gap <= 1e-5, (sp, gap)
+    assert pack_prompts(PROMPTS, 8, 32) is None  # a few prompts: nothing to save, plain prefill
+
+
 def test_rows_bucket_to_powers_of_two_then_multiples_of_64():
     from rollout.jax_engine import bucket_rows
 
