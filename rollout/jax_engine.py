@@ -119,7 +119,6 @@ def _packed_prefill(model, packing, lens_b, slots: int):
     r, t = tokens.shape
     packed = KVCache.init(model.cfg, r, t)
     x, packed, _ = model.hidden_states(tokens, packing["positions"], packing["segments"], packed)
-    u = row.shape[0]
     j = jnp.arange(t, dtype=jnp.int32)
     src = jnp.minimum(offset[:, None] + j, t - 1)  # [U, T]: the packed slot of prompt i's token j
     valid = j[None, :] < lens_b[:, None]
