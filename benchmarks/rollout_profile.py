@@ -40,8 +40,8 @@ def best_seconds(fn, reps: int = 7) -> float:
 def main() -> None:
     import numpy as np
 
-    from benchmarks.common import (REFERENCE, matmul_floor_seconds, matmul_peak_gflops, op_kinds,
-                                   op_times)
+    from benchmarks.common import (REFERENCE, matmul_floor_seconds, matmul_params,
+                                   matmul_peak_gflops, op_kinds, op_times)
     from benchmarks.rollout_throughput import SHAPES
     from posttrain.models import build_model
     from rollout.engine import SamplingParams
@@ -92,13 +92,6 @@ def main() -> None:
     for new in (32, 64, 128, 192):
         t = best_seconds(generate(new), reps=4)
         print(f"  {32 + new:4d} slots: {t / new * 1e3:.2f} ms per step")
-
-
-def matmul_params(cfg) -> int:
-    """Weights one decoded token multiplies: every layer's projections and the LM head."""
-    e, f = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    return cfg.num_hidden_layers * (e * (q + 2 * kv) + q * e + 3 * e * f) + e * cfg.vocab_size
 
 
 if __name__ == "__main__":
