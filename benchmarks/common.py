@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import jax
 
@@ -85,11 +86,85 @@ def matmul_floor_seconds(cfg: ModelConfig, batch: int, prompt_len: int, new_toke
     return {"rollout": rollout_s, "update": update_s, "step": rollout_s + update_s}
 
 
-def op_times(run, reps: int, trace_dir) -> dict[str, tuple[float, int]]:
-    """Trace `reps` calls of `run()` with the JAX profiler and sum the XLA:CPU thunks' durations
-    per op: {op name: (ms per call, executions per call)}. On CPU, `ynn_fusion*` are YNNPACK dot
-    fusions (the matmuls); the rest element-wise, copy and transpose fusions. Op time can exceed
-    wall time: the thunk executor runs independent thunks on both cores at once."""
+class OpTime(NamedTuple):
+    """One op's time per call of the traced function: `wall` ms of wall clock charged to it
+    (an interval where k ops run at once on k threads is split k ways, so the ops' walls add
+    up to the time the device was busy), `op` ms of its own (self) time on its thread, and how
+    many times it ran per call."""
+
+    wall: float
+    op: float
+    count: int
+
+
+def self_segments(events: list[dict]) -> list[dict]:
+    """Each thread's time charged to its innermost running op. XLA:CPU's thunk executor runs a
+    thunk's successors inline from its completion, and a `while` thunk spans its body, so
+    events nest on a thread; an op's own time is its span less its children's (the usual
+    self time of nested trace events). Returns non-overlapping pieces per thread, with the
+    event's name, `ts`, `dur` and `tid`."""
+    import collections
+
+    by_tid = collections.defaultdict(list)
+    for e in events:
+        by_tid[e["tid"]].append(e)
+    out: list[dict] = []
+    for tid, evs in by_tid.items():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[dict] = []
+        cur = 0.0
+
+        def emit(until):
+            if stack and until > cur:
+                out.append({"name": stack[-1]["name"], "ts": cur, "dur": until - cur, "tid": tid})
+
+        for e in evs:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+                end = stack[-1]["ts"] + stack[-1]["dur"]
+                emit(end)
+                cur = max(cur, end)
+                stack.pop()
+            emit(e["ts"])
+            cur = max(cur, e["ts"])
+            stack.append(e)
+        while stack:
+            end = stack[-1]["ts"] + stack[-1]["dur"]
+            emit(end)
+            cur = max(cur, end)
+            stack.pop()
+    return out
+
+
+def wall_shares(events: list[dict]) -> dict[str, float]:
+    """Wall-clock time (trace units) charged to each op name: a sweep over the ops' start and
+    end points that splits every interval evenly among the ops running during it."""
+    import collections
+
+    points = sorted([(e["ts"], 1, i) for i, e in enumerate(events)]
+                    + [(e["ts"] + e["dur"], -1, i) for i, e in enumerate(events)],
+                    key=lambda p: (p[0], p[1]))
+    share: collections.Counter = collections.Counter()
+    active: set[int] = set()
+    last = None
+    for t, kind, i in points:
+        if active and last is not None and t > last:
+            part = (t - last) / len(active)
+            for j in active:
+                share[events[j]["name"]] += part
+        last = t
+        if kind == 1:
+            active.add(i)
+        else:
+            active.discard(i)
+    return dict(share)
+
+
+def op_times(run, reps: int, trace_dir) -> dict[str, OpTime]:
+    """Trace `reps` calls of `run()` with the JAX profiler; per XLA:CPU thunk name, its `OpTime`
+    per call. On CPU, `ynn_fusion*` are YNNPACK fusions (the dots, and some reductions); the
+    rest element-wise, copy and transpose fusions. The thunk executor runs independent thunks
+    on both cores at once, so the ops' `op` times can add up to more than the wall time; their
+    `wall` times add up to the busy time. Nested events count once (`self_segments`)."""
     import collections
     import gzip
     import json
@@ -102,26 +177,39 @@ def op_times(run, reps: int, trace_dir) -> dict[str, tuple[float, int]]:
     with gzip.open(max(Path(trace_dir).rglob("*.trace.json.gz"))) as f:
         events = json.load(f)
     events = events["traceEvents"] if isinstance(events, dict) else events
+    ops = [e for e in events
+           if e.get("ph") == "X" and "dur" in e and "hlo_op" in e.get("args", {})
+           and not e["name"].startswith(("end:", "ThunkExecutor"))]
+    pieces = self_segments(ops)
+    wall = wall_shares(pieces)
     ms: collections.Counter = collections.Counter()
-    count: collections.Counter = collections.Counter()
-    for e in events:
-        name = e.get("name", "")
-        if (e.get("ph") == "X" and "dur" in e
-                and not name.startswith(("ThunkExecutor", "$", "Slinky", "Pjit", "np.asarray"))):
-            ms[name] += e["dur"] / reps / 1e3
-            count[name] += 1
-    return {name: (ms[name], count[name] // reps) for name in ms}
+    count: collections.Counter = collections.Counter(e["name"] for e in ops)
+    for e in pieces:
+        ms[e["name"]] += e["dur"]
+    return {name: OpTime(wall.get(name, 0.0) / reps / 1e3, ms[name] / reps / 1e3, count[name] // reps)
+            for name in ms}
 
 
-def op_kinds(ops: dict[str, tuple[float, int]]) -> dict[str, float]:
-    """ms per call summed by op kind (`ynn_fusion.12` -> `ynn_fusion`), largest first."""
+def op_kinds(ops: dict[str, OpTime]) -> dict[str, float]:
+    """Wall ms per call summed by op kind (`ynn_fusion.12` -> `ynn_fusion`), largest first."""
     import collections
     import re
 
     kinds: collections.Counter = collections.Counter()
-    for name, (ms, _) in ops.items():
-        kinds[re.sub(r"[.\d]+$", "", name)] += ms
+    for name, t in ops.items():
+        kinds[re.sub(r"[.\d]+$", "", name)] += t.wall
     return dict(kinds.most_common())
+
+
+def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
+    """{instruction name: (result shape, the JAX op it came from)} of a compiled module's text
+    (`jitted.lower(...).compile().as_text()`), to say what a traced thunk computes."""
+    import re
+
+    out = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) .*?op_name=\"([^\"]*)\"", hlo_text, re.M):
+        out[m.group(1)] = (m.group(2), m.group(3))
+    return out
 
 
 TUNIX_VENV = "benchmarks/peers/setup_tunix.sh"
