@@ -212,6 +212,26 @@ def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
     return out
 
 
+WEIGHT_MATMULS, ATTENTION_DOTS, OTHER = ("weight matmuls (projections, LM head)",
+                                         "attention dots (scores, values)", "everything else")
+
+
+def op_groups(ops: dict[str, OpTime], hlo: dict[str, tuple[str, str]]) -> dict[str, float]:
+    """Wall ms per call in three groups, by what each op computes (`hlo_ops`): dots with a 2-D
+    result are the weight matmuls (every projection is one [tokens, in] @ [in, out], see
+    `layers.dense`, and so are their gradients), dots with a batched result attention's, the
+    rest everything else."""
+    groups = {WEIGHT_MATMULS: 0.0, ATTENTION_DOTS: 0.0, OTHER: 0.0}
+    for name, t in ops.items():
+        shape, op = hlo.get(name, ("", ""))
+        if op.endswith("dot_general"):
+            rank = shape[shape.find("[") + 1:shape.find("]")].count(",") + 1
+            groups[WEIGHT_MATMULS if rank == 2 else ATTENTION_DOTS] += t.wall
+        else:
+            groups[OTHER] += t.wall
+    return groups
+
+
 TUNIX_VENV = "benchmarks/peers/setup_tunix.sh"
 
 

@@ -45,8 +45,8 @@ def main() -> None:
                                "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*_generate.*")
     import numpy as np
 
-    from benchmarks.common import (REFERENCE, hlo_ops, matmul_floor_seconds, matmul_params,
-                                   matmul_peak_gflops, op_times)
+    from benchmarks.common import (REFERENCE, WEIGHT_MATMULS, hlo_ops, matmul_floor_seconds,
+                                   matmul_params, matmul_peak_gflops, op_groups, op_times)
     from benchmarks.rollout_throughput import SHAPES
     from posttrain.models import build_model
     from rollout.engine import SamplingParams
@@ -83,21 +83,13 @@ def main() -> None:
     ops = op_times(generate(), 3, Path(tempfile.mkdtemp(prefix="rollout_profile_")))
     per_step = {n: t for n, t in ops.items() if t.count == NEW}  # the while loop's body
     hlo = max(per_module, key=lambda h: sum(n in h for n in per_step))
-    groups = {"weight matmuls (projections, LM head)": 0.0, "attention dots (scores, values)": 0.0,
-              "everything else": 0.0}
-    for name, t in per_step.items():
-        shape, op = hlo.get(name, ("", ""))
-        if op.endswith("dot_general"):
-            rank = shape[shape.find("[") + 1:shape.find("]")].count(",") + 1
-            groups["weight matmuls (projections, LM head)" if rank == 2
-                   else "attention dots (scores, values)"] += t.wall
-        else:
-            groups["everything else"] += t.wall
+    groups = op_groups(per_step, hlo)
     busy = sum(t.wall for t in per_step.values())
     matmul_gflop = 2 * PROMPTS * NEW * matmul_params(cfg) / 1e9
-    mm = groups["weight matmuls (projections, LM head)"]
-    print(f"decode loop: {len(per_step)} ops per step, busy {busy / NEW:.2f} ms per step "
-          f"(wall clock, ops that run at once share it); the weight matmuls' {matmul_gflop:.1f} "
+    mm = groups[WEIGHT_MATMULS]
+    print(f"decode loop: {len(per_step)} ops per step, busy {busy / NEW:.2f} of the "
+          f"{wall / NEW * 1e3:.2f} ms (wall clock, ops that run at once share it; the rest is the "
+          f"prefill's share and the executor's gaps between thunks); the weight matmuls' {matmul_gflop:.1f} "
           f"GFLOP at {matmul_gflop / mm * 1e3:.0f} GFLOP/s (the floor loop: "
           f"{matmul_gflop / floor:.0f} GFLOP/s)")
     for group, ms in groups.items():

@@ -1,6 +1,10 @@
 """Tokens/s and MFU of our jitted train step on the reference model (batch 16 x 256, fp32, AdamW).
 
-    python benchmarks/train_step.py [--steps 20]
+    python -m benchmarks.train_step [--steps 20] [--profile]
+
+`--profile` traces the unrolled step (the recipes' SFT layout) with the JAX profiler and splits
+its wall clock into the weight matmuls (forward and both gradients), attention's dots and
+everything else (`benchmarks.common.op_groups`), with the rate the weight matmuls reach.
 
 MFU is against the matmul peak measured in this same script (these 2 cores are shared and noisy;
 absolute numbers move, the ratio is what to read).
@@ -34,14 +38,47 @@ def make_batch(batch=16, seq=256, seed=0, vocab=REFERENCE.vocab_size):
     return jax.tree.map(jnp.asarray, b)
 
 
-def bench_ours(steps: int, remat: str = "none", scan: bool = True) -> dict:
+def build(remat: str = "none", scan: bool = True):
+    """(cfg, jitted step, state, batch) of the reference model."""
     cfg = REFERENCE.model_copy(update=dict(remat=remat, scan_layers=scan))
     graphdef, params, rest = nnx.split(build_model(cfg), nnx.Param, ...)
     opt = optax.adamw(1e-3)
     step = jax.jit(make_train_step(graphdef, opt, next_token_loss), donate_argnums=0)
     state = TrainState(params, rest, opt.init(params), jnp.zeros((), jnp.int32),
                        jax.random.key_data(jax.random.key(0)))
-    batch = make_batch()
+    return cfg, step, state, make_batch()
+
+
+def profile(peak: float) -> None:
+    import tempfile
+
+    from benchmarks.common import WEIGHT_MATMULS, hlo_ops, matmul_params, op_groups, op_times
+
+    cfg, step, state, batch = build(scan=False)
+    hlo = hlo_ops(step.lower(state, batch).compile().as_text())
+    for _ in range(3):
+        state, m = step(state, batch)
+    jax.block_until_ready(m)
+    carry = [state]  # the step donates its state: each traced call takes the last one's
+
+    def one_step():
+        carry[0], metrics = step(carry[0], batch)
+        return metrics
+
+    ops = op_times(one_step, 3, tempfile.mkdtemp(prefix="train_step_profile_"))
+    groups = op_groups(ops, hlo)
+    busy = sum(groups.values())
+    tokens = batch["tokens"].size
+    mm_gflop = 6 * matmul_params(cfg) * tokens / 1e9
+    print(f"unrolled step, traced: busy {busy:.0f} ms (wall clock; ops that run at once on the two "
+          f"cores share it), {len(ops)} ops; the weight matmuls' {mm_gflop:.1f} GFLOP at "
+          f"{mm_gflop / groups[WEIGHT_MATMULS] * 1e3:.0f} GFLOP/s (peak {peak:.0f})")
+    for group, ms in groups.items():
+        print(f"  {ms:7.1f} ms  {100 * ms / busy:5.1f}%  {group}")
+
+
+def bench_ours(steps: int, remat: str = "none", scan: bool = True) -> dict:
+    cfg, step, state, batch = build(remat, scan)
     for _ in range(3):
         state, m = step(state, batch)
     jax.block_until_ready(m)
@@ -58,6 +95,7 @@ def bench_ours(steps: int, remat: str = "none", scan: bool = True) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     peak = matmul_peak_gflops()
     rows = []
@@ -75,6 +113,8 @@ def main():
     print("reference (ENVIRONMENT.md, measured alone): Tunix PeftTrainer 6,570 tokens/s; "
           "TRL SFTTrainer 1,785 tokens/s")
     print(f"ratio ours (scan) / Tunix figure: {rows[0][1]['tokens_per_s'] / 6570:.2f}x")
+    if args.profile:
+        profile(peak)
 
 
 if __name__ == "__main__":
