@@ -159,23 +159,27 @@ def wall_shares(events: list[dict]) -> dict[str, float]:
     return dict(share)
 
 
-def op_times(run, reps: int, trace_dir) -> dict[str, OpTime]:
+def op_times(run, reps: int, trace_dir=None) -> dict[str, OpTime]:
     """Trace `reps` calls of `run()` with the JAX profiler; per XLA:CPU thunk name, its `OpTime`
     per call. On CPU, `ynn_fusion*` are YNNPACK fusions (the dots, and some reductions); the
     rest element-wise, copy and transpose fusions. The thunk executor runs independent thunks
     on both cores at once, so the ops' `op` times can add up to more than the wall time; their
-    `wall` times add up to the busy time. Nested events count once (`self_segments`)."""
+    `wall` times add up to the busy time. Nested events count once (`self_segments`). The trace
+    goes to `trace_dir`, or to a temporary directory removed afterwards."""
     import collections
     import gzip
     import json
+    import tempfile
     from pathlib import Path
 
-    jax.profiler.start_trace(str(trace_dir), create_perfetto_trace=True)
-    for _ in range(reps):
-        jax.block_until_ready(run())
-    jax.profiler.stop_trace()
-    with gzip.open(max(Path(trace_dir).rglob("*.trace.json.gz"))) as f:
-        events = json.load(f)
+    with tempfile.TemporaryDirectory(prefix="op_times_") as tmp:
+        trace_dir = Path(trace_dir or tmp)
+        jax.profiler.start_trace(str(trace_dir), create_perfetto_trace=True)
+        for _ in range(reps):
+            jax.block_until_ready(run())
+        jax.profiler.stop_trace()
+        with gzip.open(max(trace_dir.rglob("*.trace.json.gz"))) as f:
+            events = json.load(f)
     events = events["traceEvents"] if isinstance(events, dict) else events
     ops = [e for e in events
            if e.get("ph") == "X" and "dur" in e and "hlo_op" in e.get("args", {})
@@ -188,6 +192,18 @@ def op_times(run, reps: int, trace_dir) -> dict[str, OpTime]:
         ms[e["name"]] += e["dur"]
     return {name: OpTime(wall.get(name, 0.0) / reps / 1e3, ms[name] / reps / 1e3, count[name] // reps)
             for name in ms}
+
+
+def donating_calls(step, state, batch):
+    """A no-argument call of a jitted `step(state, batch) -> (state, metrics)` that donates its
+    state: each call takes the state the last one returned, and returns the metrics."""
+    carry = [state]
+
+    def call():
+        carry[0], metrics = step(carry[0], batch)
+        return metrics
+
+    return call
 
 
 def op_kinds(ops: dict[str, OpTime]) -> dict[str, float]:

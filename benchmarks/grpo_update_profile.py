@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import op_kinds, op_times  # noqa: E402
+from benchmarks.common import donating_calls, op_kinds, op_times  # noqa: E402
 
 B, T = 64, 96
 
@@ -89,13 +89,7 @@ def main() -> None:
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
     print(f"update step [{B}, {T}]: {min(times):.3f} s (best of 5)")
-    carry = [state]  # the step donates its state: each traced call takes the last one's
-
-    def one_step():
-        carry[0], metrics = step(carry[0], batch)
-        return metrics
-
-    ops = op_times(one_step, 3, work / "trace")
+    ops = op_times(donating_calls(step, state, batch), 3)
     kinds = op_kinds(ops)
     total = sum(kinds.values())
     print(f"busy {total:.0f} ms per step (wall clock: ops that run at once on the two cores share "
@@ -105,6 +99,7 @@ def main() -> None:
     print("largest ops (wall ms; own time):")
     for name, t in sorted(ops.items(), key=lambda kv: -kv[1].wall)[:args.top]:
         print(f"  {t.wall:8.1f} ms  {t.op:8.1f} ms  {name}")
+
 
 if __name__ == "__main__":
     main()

@@ -16,6 +16,7 @@ jitted generation with unrolled layers. Prints, against the matmul peak measured
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import time
@@ -79,8 +80,11 @@ def main() -> None:
 
     # What each traced thunk computes: XLA's dump of the loop it runs (set before jax starts).
     per_module = [hlo_ops(f.read_text()) for f in dump.rglob("*jit__generate*after_optimizations.txt")]
+    shutil.rmtree(dump, ignore_errors=True)
+    if not per_module:
+        raise SystemExit(f"XLA wrote no dump of the generation under {dump}: is XLA_FLAGS honoured?")
 
-    ops = op_times(generate(), 3, Path(tempfile.mkdtemp(prefix="rollout_profile_")))
+    ops = op_times(generate(), 3)
     per_step = {n: t for n, t in ops.items() if t.count == NEW}  # the while loop's body
     hlo = max(per_module, key=lambda h: sum(n in h for n in per_step))
     groups = op_groups(per_step, hlo)

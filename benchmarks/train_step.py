@@ -50,22 +50,15 @@ def build(remat: str = "none", scan: bool = True):
 
 
 def profile(peak: float) -> None:
-    import tempfile
-
-    from benchmarks.common import WEIGHT_MATMULS, hlo_ops, matmul_params, op_groups, op_times
+    from benchmarks.common import (WEIGHT_MATMULS, donating_calls, hlo_ops, matmul_params,
+                                   op_groups, op_times)
 
     cfg, step, state, batch = build(scan=False)
     hlo = hlo_ops(step.lower(state, batch).compile().as_text())
     for _ in range(3):
         state, m = step(state, batch)
     jax.block_until_ready(m)
-    carry = [state]  # the step donates its state: each traced call takes the last one's
-
-    def one_step():
-        carry[0], metrics = step(carry[0], batch)
-        return metrics
-
-    ops = op_times(one_step, 3, tempfile.mkdtemp(prefix="train_step_profile_"))
+    ops = op_times(donating_calls(step, state, batch), 3)
     groups = op_groups(ops, hlo)
     busy = sum(groups.values())
     tokens = batch["tokens"].size
