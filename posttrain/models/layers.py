@@ -78,15 +78,34 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
     return jnp.where(medium, smoothed, inv_l)
 
 
-def apply_rope(x_bthd: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) -> jax.Array:
+class Rope(NamedTuple):
+    """RoPE's cos/sin at a chunk's positions, [B, T, 1, D] f32, shared by every layer's queries
+    and keys."""
+
+    cos: jax.Array
+    sin: jax.Array
+
+
+def rope_tables(positions_bt: jax.Array, inv_freq: jax.Array, num_positions: int) -> Rope:
+    """Looked up in a [num_positions, D] table made once per forward: computed at each position
+    instead, XLA fuses cos and sin into every rotation and gradient that reads them (16
+    fusions in a 4-layer train step) and evaluates them per head there, 2 transcendentals per
+    element of q and k (~40 ms of a 720 ms SFT step). `num_positions` bounds the positions (the
+    chunk's length, or the KV cache's: packed segments and cache slots restart at 0); a
+    position outside it gets NaN, which poisons the logits instead of rotating silently wrong."""
+    angles = jnp.arange(num_positions, dtype=jnp.float32)[:, None] * inv_freq  # [P, D/2]
+    angles = jnp.concatenate([angles, angles], -1)
+    table = jnp.stack([jnp.cos(angles), jnp.sin(angles)])  # [2, P, D]
+    cos, sin = jnp.take(table, positions_bt, axis=1, mode="fill", fill_value=jnp.nan)[:, :, :, None]
+    return Rope(cos, sin)
+
+
+def apply_rope(x_bthd: jax.Array, rope: Rope) -> jax.Array:
     """HF's rotate-half RoPE (non-interleaved halves), computed in f32."""
-    freqs = positions_bt[..., None].astype(jnp.float32) * inv_freq  # [B,T,D/2]
-    cos = jnp.cos(jnp.concatenate([freqs, freqs], -1))[:, :, None, :]
-    sin = jnp.sin(jnp.concatenate([freqs, freqs], -1))[:, :, None, :]
     x = x_bthd.astype(jnp.float32)
     x1, x2 = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x * cos + rotated * sin).astype(x_bthd.dtype)
+    return (x * rope.cos + rotated * rope.sin).astype(x_bthd.dtype)
 
 
 def attention_mask(q_pos_bt, q_seg_bt, k_pos_bs, k_seg_bs) -> jax.Array:
@@ -105,16 +124,65 @@ def dot_attention(q_bthd, kt_bkds, v_bksd, mask_bts) -> jax.Array:
     share a KV head are stacked along the row axis, [B, K, G*T, D] @ [B, K, D, S], which XLA runs
     faster than a 5-D einsum (no per-group transposes inside the dot). Keys come transposed
     ([B, K, D, S], the KV cache's layout: XLA:CPU transposes a [.., S, D] operand inside the dot,
-    2.8x slower in a decode step) and values as [B, K, S, D]."""
+    2.8x slower in a decode step) and values as [B, K, S, D]. The softmax scale is folded into
+    the queries ([.., D] rather than [.., S] multiplies); the core is `_attend`."""
     b, t, h, d = q_bthd.shape
-    kh, s = kt_bkds.shape[1], kt_bkds.shape[3]
+    kh = kt_bkds.shape[1]
     g = h // kh
-    q = q_bthd.reshape(b, t, kh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, d)
-    scores = jnp.matmul(q, kt_bkds).astype(jnp.float32) / math.sqrt(d)
-    scores = jnp.where(mask_bts[:, None, None], scores.reshape(b, kh, g, t, s), MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_bksd.dtype).reshape(b, kh, g * t, s)
-    out = jnp.matmul(probs, v_bksd)  # [B, K, G*T, D]
+    q = (q_bthd * (1 / math.sqrt(d))).astype(q_bthd.dtype)
+    q = q.reshape(b, t, kh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, d)
+    out = _attend(q, kt_bkds, v_bksd, mask_bts)  # [B, K, G*T, D]
     return out.reshape(b, kh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h * d)
+
+
+def _attend_parts(q, kt, v, mask_bts):
+    """softmax(mask(q @ kt)) @ v with the normalisation applied to the output ([.., D]) instead
+    of the probabilities ([.., S]): -> (out, e = exp(scores - rowmax) [B,K,G*T,S] f32,
+    r = 1 / rowsum(e) [B,K,G*T,1] f32)."""
+    b, kh, gt, _ = q.shape
+    t, s = mask_bts.shape[1], kt.shape[-1]
+    scores = jnp.matmul(q, kt).astype(jnp.float32).reshape(b, kh, gt // t, t, s)
+    scores = jnp.where(mask_bts[:, None, None], scores, MASK_VALUE)
+    e = jnp.exp(scores - jnp.max(scores, -1, keepdims=True)).reshape(b, kh, gt, s)
+    r = 1.0 / jnp.sum(e, -1, keepdims=True)
+    out = (jnp.matmul(e.astype(v.dtype), v) * r).astype(v.dtype)
+    return out, e, r
+
+
+@jax.custom_vjp
+def _attend(q, kt, v, mask_bts):
+    """Attention's core on [B, K, G*T, D] queries (already scaled), [B, K, D, S] keys, [B, K, S, D]
+    values and a [B, T, S] mask, with the flash-attention backward: dS = P * (dP - rowsum(dO * O)).
+    Autodiff of the softmax (JAX's default rule differentiates exp / sum) costs three more
+    passes over the [.., T, S] scores and a reduction across them; this rule's only full-size
+    passes are the one that forms dS and the matmuls (tests/models/test_hand_gradients.py checks it
+    against autodiff)."""
+    return _attend_parts(q, kt, v, mask_bts)[0]
+
+
+def _attend_fwd(q, kt, v, mask_bts):
+    out, e, r = _attend_parts(q, kt, v, mask_bts)
+    return out, (q, kt, v, mask_bts, out, e, r)
+
+
+def _attend_bwd(res, d_out):
+    q, kt, v, mask_bts, out, e, r = res
+    d_out32 = d_out.astype(jnp.float32)
+    dv = jnp.matmul(jnp.swapaxes(e, -1, -2), d_out32 * r)  # P^T dO, P = e * r
+    dp = jnp.matmul(d_out32, jnp.swapaxes(v, -1, -2).astype(jnp.float32))
+    row = jnp.sum(d_out32 * out.astype(jnp.float32), -1, keepdims=True)  # = rowsum(P * dP)
+    ds = e * (r * (dp - row))
+    # e is 0 at masked keys except in fully masked rows (padding queries: e = 1 everywhere),
+    # where the plain formula's gradient stops at the mask
+    b, kh, gt, s = ds.shape
+    t = mask_bts.shape[1]
+    ds = jnp.where(mask_bts[:, None, None], ds.reshape(b, kh, gt // t, t, s), 0).reshape(ds.shape)
+    dq = jnp.matmul(ds, jnp.swapaxes(kt, -1, -2).astype(jnp.float32))
+    dkt = jnp.matmul(jnp.swapaxes(q, -1, -2).astype(jnp.float32), ds)
+    return dq.astype(q.dtype), dkt.astype(kt.dtype), dv.astype(v.dtype), None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 class LayerKV(NamedTuple):
@@ -142,7 +210,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, DTYPES[cfg.param_dtype])
         self.cfg = cfg
 
-    def __call__(self, x_bte, pos_bt, seg_bt, inv_freq, kv=None):
+    def __call__(self, x_bte, pos_bt, seg_bt, rope: Rope, kv=None):
         """kv: None (keys are this chunk) or a `LayerKV`; returns (out, None | (k_all, v_all))."""
         cfg = self.cfg
         b, t, _ = x_bte.shape
@@ -153,8 +221,8 @@ class Attention(nnx.Module):
         q = checkpoint_name(q, "qkv_proj")
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, pos_bt, inv_freq)
-        k = apply_rope(k, pos_bt, inv_freq).transpose(0, 2, 3, 1)  # [B, K, D, T]
+        q = apply_rope(q, rope)
+        k = apply_rope(k, rope).transpose(0, 2, 3, 1)  # [B, K, D, T]
         if kv is None:
             keys, values, k_pos, k_seg, new_kv = k, v, pos_bt, seg_bt, None
         else:
@@ -184,7 +252,33 @@ class MLP(nnx.Module):
         self.down_proj = linear(cfg, f, e, ("mlp", "embed"), rngs)
 
     def __call__(self, x):
-        return dense(self.down_proj, jax.nn.silu(dense(self.gate_proj, x)) * dense(self.up_proj, x))
+        return dense(self.down_proj, swiglu(dense(self.gate_proj, x), dense(self.up_proj, x)))
+
+
+@jax.custom_vjp
+def swiglu(gate, up):
+    """silu(gate) * up, with a backward that recomputes the sigmoid and forms both gradients in
+    one pass (autodiff keeps the sigmoid, its complement and silu's output as separate [T, F]
+    arrays and walks them in several; tests/models/test_hand_gradients.py checks it)."""
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu_fwd(gate, up):
+    return jax.nn.silu(gate) * up, (gate, up)
+
+
+def _swiglu_bwd(res, d_out):
+    gate, up = res
+    # The barrier keeps XLA from merging this sigmoid with the forward's (CSE): merged, the
+    # sigmoid and silu become buffers of their own and the forward three passes instead of one.
+    gate = jax.lax.optimization_barrier(gate)
+    sig = jax.nn.sigmoid(gate)
+    silu = gate * sig
+    d_gate = d_out * up * (sig + silu * (1 - sig))  # d silu / dg = s + g s (1 - s)
+    return d_gate.astype(gate.dtype), (d_out * silu).astype(up.dtype)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class DecoderLayer(nnx.Module):
@@ -200,9 +294,9 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
 
-    def __call__(self, x, pos, seg, inv_freq, kv=None):
+    def __call__(self, x, pos, seg, rope: Rope, kv=None):
         """-> (x, new kv, router stats: {} for a dense MLP)."""
-        h, new_kv = self.self_attn(self.input_layernorm(x), pos, seg, inv_freq, kv)
+        h, new_kv = self.self_attn(self.input_layernorm(x), pos, seg, rope, kv)
         x = x + h
         if isinstance(self.mlp, MLP):
             h, stats = self.mlp(self.post_attention_layernorm(x)), {}

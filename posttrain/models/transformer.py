@@ -18,7 +18,7 @@ from flax import nnx
 from posttrain.models.config import ModelConfig
 from posttrain.sharding import constrain
 from posttrain.models.layers import (ACT_AXES, DTYPES, DecoderLayer, LayerKV, RMSNorm, _init,
-                                     rope_inv_freq)
+                                     rope_inv_freq, rope_tables)
 
 REMAT_POLICIES = {
     "none": None,
@@ -103,7 +103,9 @@ class Decoder(nnx.Module):
     def __call__(self, tokens_bt, pos_bt, seg_bt, cache: KVCache | None = None):
         cfg = self.cfg
         x = constrain(self.embed_tokens(tokens_bt).astype(DTYPES[cfg.compute_dtype]), ACT_AXES)
-        inv_freq = rope_inv_freq(cfg)
+        # positions restart at 0 per packed segment and index cache slots: below the longest axis
+        num_positions = max(tokens_bt.shape[1], 0 if cache is None else cache.pos.shape[1])
+        rope = rope_tables(pos_bt, rope_inv_freq(cfg), num_positions)
         if cache is not None:
             start = cache.end
             cache = cache._replace(pos=jax.lax.dynamic_update_slice(cache.pos, pos_bt, (0, start)),
@@ -111,7 +113,7 @@ class Decoder(nnx.Module):
 
         def body(x, layer_state, kv):
             layer = nnx.merge(graphdef, layer_state)
-            return layer(x, pos_bt, seg_bt, inv_freq, kv)
+            return layer(x, pos_bt, seg_bt, rope, kv)
 
         def layer_kv(k, v, layer=None):
             """This layer's view of the cache: its own buffers, or the stacked ones and its index."""
@@ -138,7 +140,7 @@ class Decoder(nnx.Module):
         else:
             # Unrolled: call each layer object itself (qwix attaches LoRA params to it).
             def call(layer, x, kv):
-                return layer(x, pos_bt, seg_bt, inv_freq, kv)
+                return layer(x, pos_bt, seg_bt, rope, kv)
 
             if cfg.remat != "none":
                 call = nnx.remat(call, policy=policy)

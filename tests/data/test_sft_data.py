@@ -172,3 +172,37 @@ def test_resume_at_an_epoch_boundary_starts_the_next_epoch(tok):
     assert sorted(sum(first, [])) == list(range(8))
     assert [b.next_batch()[1] for _ in range(2)] == [a.next_batch()[1] for _ in range(2)]
     assert b.state()["epoch"] >= 1
+
+
+def per_prefix_masks(tok, msgs, tools=None):
+    """The reference: every turn boundary from tokenizing its rendered prefix on its own."""
+    def n_tokens(m, gen):
+        text = tok.apply_chat_template(m, tools=tools, tokenize=False, add_generation_prompt=gen)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    ids = n_tokens(msgs, False)
+    mask = [0] * len(ids)
+    for j, m in enumerate(msgs):
+        if m["role"] == "assistant":
+            start, end = len(n_tokens(msgs[:j], True)), len(n_tokens(msgs[:j + 1], False))
+            while end > start and not tok.decode(ids[end - 1:end]).strip():
+                end -= 1
+            mask[start:end] = [1] * (end - start)
+    return ids, mask
+
+
+def test_turn_boundaries_from_one_tokenization_match_tokenizing_each_prefix(tok):
+    """The encoder reads turn boundaries off the offsets of one tokenization; a template that
+    rewrites earlier text (here: a header counting the messages) falls back to tokenizing each
+    prefix. Both give the reference's ids and mask on single-turn, multi-turn and tool chats."""
+    import copy
+
+    rows = [CHAT] + generated.chat_rows("train", 20, 5, 0) + [
+        generated.tool_chat(generated.Problem(3, 4, "+"), "call")]
+    rewriting = copy.copy(tok)
+    rewriting.chat_template = "{{ messages | length }}\n" + tok.chat_template
+    for t in (tok, rewriting):
+        enc = Encoder(t, DataSection(format="messages", seq_len=1024), "mem")
+        for i, row in enumerate(rows):
+            assert enc(row, i) == per_prefix_masks(t, row["messages"], row.get("tools")), (i, t)
+    assert rewriting.apply_chat_template(CHAT["messages"][:1], tokenize=False).startswith("1\n")

@@ -51,6 +51,36 @@ def trainer_side(model, rollouts, sp: SamplingParams) -> tuple[np.ndarray, np.nd
     return np.asarray(lp), b["logp_rollout"], b["loss_mask"] > 0
 
 
+def assert_same_samples(model, a, b, sp: SamplingParams, tol: float = 1e-5):
+    """Two generations of the same prompts that must draw the same tokens: equal ids and
+    kept counts, log-probs within `tol`. One exception: a sampled step where the shared uniform
+    draw falls within fp32 rounding (~1e-6) of a boundary of the cumulative distribution, which
+    inverse-CDF sampling turns into the two neighbouring tokens with mass. Such a divergence must
+    come after a prefix that agrees within `tol`, pick tokens with no token kept between them
+    (checked on the model's own logits at that step: a wrong row or key picks tokens far apart),
+    and stay rare (at most 2 outputs per comparison)."""
+    from rollout.sampling import NEG, process_logits
+
+    diverged = 0
+    for i, (x, y) in enumerate(zip(a, b)):
+        n = 0
+        while n < min(len(x.token_ids), len(y.token_ids)) and x.token_ids[n] == y.token_ids[n]:
+            n += 1
+        gap = np.abs(np.subtract(x.logprobs[:n], y.logprobs[:n])).max(initial=0)
+        assert gap <= tol, (sp, i, gap)
+        assert x.kept_counts[:n] == y.kept_counts[:n], (sp, i)
+        if x.token_ids == y.token_ids:
+            continue
+        assert sp.temperature > 0 and n < len(x.token_ids) and n < len(y.token_ids), (sp, i, n)
+        diverged += 1
+        ids = jnp.asarray([x.prompt_token_ids + x.token_ids[:n]])
+        logits = model(ids)[:, -1]
+        kept = np.asarray(process_logits(logits, sp.temperature, sp.top_k, sp.top_p) > NEG / 2)[0]
+        lo, hi = sorted((x.token_ids[n], y.token_ids[n]))
+        assert kept[lo] and kept[hi] and not kept[lo + 1:hi].any(), (sp, i, n, lo, hi)
+    assert diverged <= 2, (sp, diverged)
+
+
 def trainer_logprobs(model, prompt, completion, temperature=1.0):
     ids = jnp.asarray([prompt + completion])
     logits = model(ids)[:, :-1] / temperature
@@ -235,7 +265,8 @@ def test_shared_prefill_equals_one_prefill_per_sample(setup, scan):
     prompt (the same rows, so the same random draws). Log-probs within 1e-5: the prefill's
     matmuls run over fewer rows, fp32 reduction order only."""
     d, _, tok, _ = setup
-    eng = JaxEngine(from_pretrained(d, scan_layers=scan), tok)
+    model = from_pretrained(d, scan_layers=scan)
+    eng = JaxEngine(model, tok)
     n = 4
     for sp in (SamplingParams(temperature=0, max_tokens=16, n=n, ignore_eos=True),
                SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, n=n, seed=3),
@@ -243,10 +274,7 @@ def test_shared_prefill_equals_one_prefill_per_sample(setup, scan):
         shared = eng.generate(PROMPTS, sp)
         plain = eng.generate([p for p in PROMPTS for _ in range(n)], replace(sp, n=1))
         assert [o.prompt_index for o in shared] == [i // n for i in range(len(PROMPTS) * n)]
-        assert [o.token_ids for o in shared] == [o.token_ids for o in plain], sp
-        assert [o.kept_counts for o in shared] == [o.kept_counts for o in plain], sp
-        gap = max(np.abs(np.subtract(a.logprobs, b.logprobs)).max() for a, b in zip(shared, plain))
-        assert gap <= 1e-5, (sp, gap)
+        assert_same_samples(model, shared, plain, sp)
         if sp.temperature > 0:  # the group's samples differ (not one sample copied n times)
             assert len({tuple(o.token_ids) for o in shared[:n]}) > 1
 
@@ -274,11 +302,8 @@ def test_packed_prefill_equals_the_plain_prefill(setup, scan):
         assert (layout["segments"][r] == layout["segments"][r, o]).sum() == len(p)
     for sp in (SamplingParams(temperature=0, max_tokens=16),
                SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, n=2, seed=3)):
-        a, b = packed.generate(prompts, sp), plain.generate(prompts, sp)
-        assert [o.token_ids for o in a] == [o.token_ids for o in b], sp
-        assert [o.kept_counts for o in a] == [o.kept_counts for o in b], sp
-        gap = max(np.abs(np.subtract(x.logprobs, y.logprobs)).max() for x, y in zip(a, b))
-        assert gap <= 1e-5, (sp, gap)
+        assert_same_samples(model, packed.generate(prompts, sp),
+                            plain.generate(prompts, sp), sp)
     assert pack_prompts(PROMPTS, 8, 32) is None  # a few prompts: nothing to save, plain prefill
 
 
