@@ -106,3 +106,29 @@ def test_engine_seed_reproduces(tmp_path):
     a = [r.token_ids for r in eng.generate([[1, 2, 3]], sp)]
     b = [r.token_ids for r in eng.generate([[1, 2, 3]], sp)]
     assert a == b and len({tuple(x) for x in a}) > 1  # reproducible, and the n samples differ
+
+
+def test_argmax_first_is_argmax_with_its_tie_rule():
+    """The first index of the maximum, as jnp.argmax: random rows, rows of ties, -inf entries."""
+    from rollout.sampling import argmax_first
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 512)).astype(np.float32)
+    x[1, [7, 300]] = 9.0  # a tie: the first wins
+    x[2] = 0.0  # all tied
+    x[3, :500] = -np.inf
+    assert np.array_equal(argmax_first(jnp.asarray(x)), jnp.argmax(jnp.asarray(x), axis=-1))
+
+
+def test_inverse_cdf_never_draws_a_token_without_mass():
+    """A draw that rounds up to the row's total (here forced: u = 1) must not run past the last
+    token with mass: with the trailing tokens impossible it lands on the last possible one."""
+    from rollout import sampling
+
+    lp = jnp.full((4, 512), -jnp.inf).at[:, :10].set(jnp.log(0.1))
+    orig = jax.random.uniform
+    try:
+        sampling.jax.random.uniform = lambda key, shape, dtype: jnp.ones(shape, dtype)
+        assert np.all(np.asarray(sampling.inverse_cdf(jax.random.key(0), lp)) == 9)
+    finally:
+        sampling.jax.random.uniform = orig
