@@ -133,11 +133,12 @@ def is_rl(cfg) -> bool:
 # ---- analytical estimate -------------------------------------------------------------------------
 def activation_bytes_per_token_layer(mc, remat: str, tensor: int, seq_len: int) -> float:
     """Bytes one token leaves per layer for the backward pass, by remat policy. Head and MLP
-    dimensions are split over the tensor axis; attention scores and probabilities are f32 [H, T]."""
+    dimensions are split over the tensor axis; attention keeps exp(scores - max), f32 [H, T], for
+    its backward (`layers._attend`: the scores themselves and the probabilities are transient)."""
     c = 2 if mc.compute_dtype == "bfloat16" else 4
     e, h, k, d = mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
     hd, kd = h * d / tensor, k * d / tensor
-    scores = 2 * 4 * h / tensor * seq_len  # scores and softmax probabilities, f32
+    scores = 4 * h / tensor * seq_len  # exp(scores - max), f32
     if mc.is_moe:
         f_act = mc.num_experts_per_tok * mc.moe_intermediate_size
         mlp = 3 * f_act * c + mc.num_experts_per_tok * 2 * e * c + 3 * 4 * mc.num_experts
@@ -152,7 +153,7 @@ def activation_bytes_per_token_layer(mc, remat: str, tensor: int, seq_len: int) 
         return e * c  # the layer input only (one layer is recomputed at a time: see below)
     dots = (hd + 2 * kd + hd) * c + e * c + mlp * (2 / 3) + e * c  # matmul outputs
     if remat == "dots":
-        return dots + scores / 2
+        return dots + scores  # the scores product's output (a batched dot), f32
     if remat == "dots_no_batch":
         return dots
     if remat == "save_qkv_proj":
