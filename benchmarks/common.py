@@ -26,6 +26,33 @@ def _best_time(f, *args, reps: int = 5) -> float:
     return best
 
 
+def steal_seconds(stat_text: str | None = None) -> float | None:
+    """CPU seconds the hypervisor has taken from this VM since boot (the `steal` column of
+    /proc/stat's first line), or None where the kernel does not report it. Its growth during a
+    benchmark round says whether the round ran on a contended host: on the shared build
+    machines the cross-process ratios move by +-10% with it."""
+    import os
+
+    if stat_text is None:
+        try:
+            with open("/proc/stat") as f:
+                stat_text = f.readline()
+        except OSError:
+            return None
+    fields = stat_text.split("\n", 1)[0].split()
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+
+
+def with_steal(run):
+    """(run(), the steal seconds that accrued meanwhile, or None)."""
+    before = steal_seconds()
+    out = run()
+    after = steal_seconds()
+    return out, None if before is None or after is None else round(after - before, 2)
+
+
 def matmul_peak_gflops(rows: int = 4096, reps: int = 5) -> float:
     """f32 GFLOP/s of the model's own matmul shapes (rows x 256 @ 256 x 768 and back)."""
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)

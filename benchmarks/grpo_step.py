@@ -139,7 +139,8 @@ def main():
     variants = args.variants.split(",")
     peers = [p for p in args.peers.split(",") if p]
     sys.path.insert(0, str(ROOT))
-    from benchmarks.common import REFERENCE, matmul_floor_seconds, matmul_peak_gflops, tunix_python
+    from benchmarks.common import (REFERENCE, matmul_floor_seconds, matmul_peak_gflops, tunix_python,
+                                   with_steal)
     from tests.helpers import save_tiny_model_with_tokenizer
 
     if "tunix" in peers:
@@ -152,11 +153,14 @@ def main():
     # The prompts are ~20 tokens; the update's rows are padded to a multiple of 32 (96 here).
     floor = matmul_floor_seconds(REFERENCE, batch=64, prompt_len=32, new_tokens=64)
     res = {v: [] for v in variants + peers}
+    stolen = {v: [] for v in variants + peers}
     for _ in range(args.rounds):
-        for v in variants:
-            res[v].append(ours(model_dir, args.steps, work, v))
-        for p in peers:
-            res[p].append(PEERS[p](model_dir, args.steps))
+        for k in variants + peers:
+            run = (lambda k=k: ours(model_dir, args.steps, work, k)) if k in variants \
+                else (lambda k=k: PEERS[k](model_dir, args.steps))
+            r, st = with_steal(run)
+            res[k].append(r)
+            stolen[k].append(st)
     best = {k: min(v, key=lambda r: r["step_s"]) for k, v in res.items()}
     # FLOPs of one step: 64 sequences x (<= ~20 prompt + 64 new) tokens; the rollout's forward
     # (2 N per token) and the update (6 N; its forward also gives logp_old at mu = 1),
@@ -180,6 +184,8 @@ def main():
     print(f"matmul floor at this workload's shapes (weight matmuls alone, jit): rollout "
           f"{floor['rollout']:.3f} s + update {floor['update']:.3f} s = {floor['step']:.3f} s per step")
     print("all rounds: " + json.dumps({k: [round(r['step_s'], 3) for r in v] for k, v in res.items()}))
+    print(f"CPU seconds the host took from this VM during each run (/proc/stat steal): "
+          f"{json.dumps(stolen)}")
 
 
 if __name__ == "__main__":

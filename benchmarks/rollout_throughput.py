@@ -140,7 +140,7 @@ def main():
     d = Path(tempfile.mkdtemp(prefix="rollout_bench_"))
     # the reference model: hidden 256, 4 layers, 4 heads x 64, 2 KV heads, MLP 768, tied
     save_tiny_model_with_tokenizer(d, "qwen3", **SHAPES[args.shape])
-    from benchmarks.common import matmul_peak_gflops
+    from benchmarks.common import matmul_peak_gflops, with_steal
 
     print(f"shape {args.shape}: {SHAPES[args.shape]}; matmul peak measured now: "
           f"{matmul_peak_gflops():.0f} GFLOP/s (f32)")
@@ -148,9 +148,12 @@ def main():
     if "vllm_raw" not in kinds:
         kinds.append("vllm_raw")
     res = {k: [] for k in kinds}
+    stolen = {k: [] for k in kinds}
     for _ in range(args.rounds):
         for k in kinds:
-            res[k].append(child(k, d))
+            r, st = with_steal(lambda k=k: child(k, d))
+            res[k].append(r)
+            stolen[k].append(st)
     best = {k: max(x["tokens_per_s"] for x in v) for k, v in res.items()}
     names = {"jax": "posttrain JAX engine", "vllm_ours": "posttrain vLLM engine",
              "vllm_raw": "standalone vLLM", "hf": "transformers generate"}
@@ -163,6 +166,8 @@ def main():
               f"{'' if sync is None else f'{sync:>15.4f}'}")
     print("all rounds (tokens/s): " + json.dumps(
         {k: [round(x["tokens_per_s"]) for x in v] for k, v in res.items() if k != "vllm_same"}))
+    print(f"CPU seconds the host took from this VM during each run (/proc/stat steal): "
+          f"{json.dumps(stolen)}")
     if "vllm_same" in res:
         print_same_llm(res["vllm_same"])
 

@@ -40,3 +40,16 @@ def test_nested_events_charge_each_instant_to_the_innermost_op():
     assert abs(sum(shares.values()) - 100) < 1e-9  # the busy wall time
     # back-to-back ops on one thread do not nest
     assert {p["name"]: p["dur"] for p in self_segments([ev("a", 0, 5), ev("b", 5, 5)])} == {"a": 5, "b": 5}
+
+
+def test_steal_seconds_reads_the_eighth_counter_of_the_cpu_line():
+    """/proc/stat: cpu user nice system idle iowait irq softirq steal ... (clock ticks)."""
+    import os
+
+    from benchmarks.common import steal_seconds
+
+    hz = os.sysconf("SC_CLK_TCK")
+    line = f"cpu  1789112 141036 320778 3039716 12673 0 2028 {3 * hz} 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n"
+    assert steal_seconds(line) == 3.0
+    assert steal_seconds("cpu0 1 2 3 4 5 6 7 8 9") is None  # not the aggregate line
+    assert steal_seconds("cpu 1 2 3") is None  # a kernel without the column
