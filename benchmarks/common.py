@@ -53,6 +53,14 @@ def with_steal(run):
     return out, None if before is None or after is None else round(after - before, 2)
 
 
+def steal_report(stolen: dict) -> str:
+    """The line a benchmark prints under its rounds: {contender: [steal seconds per run]}."""
+    import json
+
+    return ("CPU seconds the host took from this VM during each run (/proc/stat steal): "
+            + json.dumps(stolen))
+
+
 def matmul_peak_gflops(rows: int = 4096, reps: int = 5) -> float:
     """f32 GFLOP/s of the model's own matmul shapes (rows x 256 @ 256 x 768 and back)."""
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)

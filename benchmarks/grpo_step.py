@@ -140,7 +140,7 @@ def main():
     peers = [p for p in args.peers.split(",") if p]
     sys.path.insert(0, str(ROOT))
     from benchmarks.common import (REFERENCE, matmul_floor_seconds, matmul_peak_gflops, tunix_python,
-                                   with_steal)
+                                   steal_report, with_steal)
     from tests.helpers import save_tiny_model_with_tokenizer
 
     if "tunix" in peers:
@@ -184,8 +184,7 @@ def main():
     print(f"matmul floor at this workload's shapes (weight matmuls alone, jit): rollout "
           f"{floor['rollout']:.3f} s + update {floor['update']:.3f} s = {floor['step']:.3f} s per step")
     print("all rounds: " + json.dumps({k: [round(r['step_s'], 3) for r in v] for k, v in res.items()}))
-    print(f"CPU seconds the host took from this VM during each run (/proc/stat steal): "
-          f"{json.dumps(stolen)}")
+    print(steal_report(stolen))
 
 
 if __name__ == "__main__":

@@ -140,7 +140,7 @@ def main():
     d = Path(tempfile.mkdtemp(prefix="rollout_bench_"))
     # the reference model: hidden 256, 4 layers, 4 heads x 64, 2 KV heads, MLP 768, tied
     save_tiny_model_with_tokenizer(d, "qwen3", **SHAPES[args.shape])
-    from benchmarks.common import matmul_peak_gflops, with_steal
+    from benchmarks.common import matmul_peak_gflops, steal_report, with_steal
 
     print(f"shape {args.shape}: {SHAPES[args.shape]}; matmul peak measured now: "
           f"{matmul_peak_gflops():.0f} GFLOP/s (f32)")
@@ -166,8 +166,7 @@ def main():
               f"{'' if sync is None else f'{sync:>15.4f}'}")
     print("all rounds (tokens/s): " + json.dumps(
         {k: [round(x["tokens_per_s"]) for x in v] for k, v in res.items() if k != "vllm_same"}))
-    print(f"CPU seconds the host took from this VM during each run (/proc/stat steal): "
-          f"{json.dumps(stolen)}")
+    print(steal_report(stolen))
     if "vllm_same" in res:
         print_same_llm(res["vllm_same"])
 

@@ -110,7 +110,7 @@ def main():
     args = ap.parse_args()
     peers = [p for p in args.peers.split(",") if p]
     from benchmarks.common import (REFERENCE, matmul_peak_gflops, train_flops_per_token, tunix_python,
-                                   with_steal)
+                                   steal_report, with_steal)
     from posttrain.data import generated
     from posttrain.data.tokenizer import train_bpe
     from tests.helpers import save_tiny_model_with_tokenizer
@@ -148,8 +148,7 @@ def main():
         print(f"{labels[k]:<22}{best[k]:>26.0f}{mfu:>8.1%}"
               + "".join(f"{best[k] / best[p]:>9.2f}x" for p in peers))
     print(f"all rounds: {json.dumps({k: [round(x) for x in v] for k, v in res.items()})}")
-    print(f"CPU seconds the host took from this VM during each run (/proc/stat steal): "
-          f"{json.dumps(stolen)}")
+    print(steal_report(stolen))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ name the file and row. `PackedBatches` walks a seeded permutation of the rows, p
 from __future__ import annotations
 
 import bisect
-
 import contextlib
 import functools
 import json

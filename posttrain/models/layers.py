@@ -87,12 +87,19 @@ class Rope(NamedTuple):
 
 
 def rope_tables(positions_bt: jax.Array, inv_freq: jax.Array, num_positions: int) -> Rope:
-    """Looked up in a [num_positions, D] table made once per forward: computed at each position
-    instead, XLA fuses cos and sin into every rotation and gradient that reads them (16
-    fusions in a 4-layer train step) and evaluates them per head there, 2 transcendentals per
-    element of q and k (~40 ms of a 720 ms SFT step). `num_positions` bounds the positions (the
-    chunk's length, or the KV cache's: packed segments and cache slots restart at 0); a
-    position outside it gets NaN, which poisons the logits instead of rotating silently wrong."""
+    """cos/sin at `positions_bt`. Where there are at least as many positions as table rows
+    (training, scoring, prefill) they are looked up in a [num_positions, D] table made once per
+    forward: computed at each position instead, XLA fuses cos and sin into every rotation and
+    gradient that reads them (16 fusions in a 4-layer train step) and evaluates them per head
+    there, 2 transcendentals per element of q and k (~40 ms of a 720 ms SFT step). A decode step
+    has fewer positions (B x 1) than the cache has slots, so it computes them directly; both
+    paths give the same bits. `num_positions` bounds the positions (the chunk's length, or the
+    KV cache's: packed segments and cache slots restart at 0); a position outside the table
+    gets NaN, which poisons the logits instead of rotating silently wrong."""
+    if positions_bt.size < num_positions:
+        angles = positions_bt[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+        angles = jnp.concatenate([angles, angles], -1)[:, :, None, :]
+        return Rope(jnp.cos(angles), jnp.sin(angles))
     angles = jnp.arange(num_positions, dtype=jnp.float32)[:, None] * inv_freq  # [P, D/2]
     angles = jnp.concatenate([angles, angles], -1)
     table = jnp.stack([jnp.cos(angles), jnp.sin(angles)])  # [2, P, D]
