@@ -299,13 +299,26 @@ def tunix_python(root) -> str:
     return py
 
 
-def run_tunix(root, mode: str, model_dir, steps: int) -> dict:
+def peer_environ(keep_freed_memory: bool = False) -> dict:
+    """The environment a peer runs in: ours without XLA flags or glibc malloc settings, so the
+    peer runs as it ships; with `keep_freed_memory`, with the malloc settings every posttrain
+    command applies to itself (`posttrain.host_memory`), to measure what they would give it."""
+    import os
+
+    from posttrain.host_memory import SETTINGS
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("MALLOC_")}
+    if keep_freed_memory:
+        env |= {name: str(value) for name, (_, value) in SETTINGS.items()}
+    return env
+
+
+def run_tunix(root, mode: str, model_dir, steps: int, keep_freed_memory: bool = False) -> dict:
     """`benchmarks/peers/tunix_bench.py` under Tunix's interpreter: its JSON result (see there)."""
     import json
-    import os
     import subprocess
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    env = peer_environ(keep_freed_memory) | {"JAX_PLATFORMS": "cpu"}
     r = subprocess.run([tunix_python(root), "benchmarks/peers/tunix_bench.py", mode, str(model_dir),
                         str(steps)], cwd=root, env=env, capture_output=True, text=True, check=False)
     if r.returncode or "@@" not in r.stdout:

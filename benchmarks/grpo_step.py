@@ -107,19 +107,21 @@ def ours(model_dir: Path, steps: int, work: Path, variant: str = "colocated") ->
             **{p: statistics.median(r[p] for r in rows if p in r) for p in phases if p in rows[0]}}
 
 
-def trl(model_dir: Path, steps: int) -> dict:
+def trl(model_dir: Path, steps: int, keep_freed_memory: bool = False) -> dict:
+    from benchmarks.common import peer_environ
+
     r = subprocess.run([sys.executable, "-c", TRL, str(model_dir), str(steps)], cwd=ROOT, check=False,
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, env=peer_environ(keep_freed_memory))
     if r.returncode:
         raise RuntimeError(r.stderr[-3000:])
     s = json.loads(r.stdout.split("@@")[-1])["step_s"][WARMUP:]
     return {"step_s": statistics.median(s)}
 
 
-def tunix(model_dir: Path, steps: int) -> dict:
+def tunix(model_dir: Path, steps: int, keep_freed_memory: bool = False) -> dict:
     from benchmarks.common import run_tunix
 
-    r = run_tunix(ROOT, "grpo", model_dir, steps)
+    r = run_tunix(ROOT, "grpo", model_dir, steps, keep_freed_memory)
     return {"step_s": r["median_step_s"], "rollout": r["median"]["rollout_s"],
             "update": r["median"]["train_s"]}
 
@@ -135,6 +137,9 @@ def main():
     ap.add_argument("--peers", default="tunix,trl",
                     help="comma-separated peers run in the same script, alternating with ours: "
                          "tunix (its own venv, benchmarks/peers/setup_tunix.sh), trl")
+    ap.add_argument("--peers-keep-freed-memory", action="store_true",
+                    help="run the peers with the glibc malloc settings posttrain gives itself "
+                         "(posttrain/host_memory.py) instead of as they ship")
     args = ap.parse_args()
     variants = args.variants.split(",")
     peers = [p for p in args.peers.split(",") if p]
@@ -157,7 +162,7 @@ def main():
     for _ in range(args.rounds):
         for k in variants + peers:
             run = (lambda k=k: ours(model_dir, args.steps, work, k)) if k in variants \
-                else (lambda k=k: PEERS[k](model_dir, args.steps))
+                else (lambda k=k: PEERS[k](model_dir, args.steps, args.peers_keep_freed_memory))
             r, st = with_steal(run)
             res[k].append(r)
             stolen[k].append(st)
@@ -168,7 +173,9 @@ def main():
     n_params = 3.28e6
     tokens = 64 * (20 + 64)
     flops = tokens * n_params * (2 + 6)
-    print(f"matmul peak measured now: {peak:.0f} GFLOP/s (f32)")
+    print(f"matmul peak measured now: {peak:.0f} GFLOP/s (f32); peers' host malloc: "
+          + ("posttrain's settings" if args.peers_keep_freed_memory
+             else "glibc's defaults, as they ship"))
     print(f"{'':<30}{'s / step':>10}" + "".join(f"{'vs ' + p:>12}" for p in peers))
     for k in peers + variants:
         o = best[k]

@@ -32,6 +32,9 @@ import json, os, statistics, sys, time
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, ".")
 kind, model_dir = sys.argv[1], sys.argv[2]
+if kind in ("jax", "vllm_ours"):  # our engines run under `posttrain`, which keeps freed memory
+    from posttrain import host_memory
+    host_memory.keep_freed_memory()
 import numpy as np
 rng = np.random.default_rng(0)
 prompts = [rng.integers(3, 400, int(rng.integers(8, 24))).tolist() for _ in range(%(P)d)]
@@ -117,8 +120,11 @@ print("@@" + json.dumps({"tokens_per_s": tps, "sync_s": sync}))
 
 
 def child(kind: str, model_dir: Path) -> dict:
+    from benchmarks.common import peer_environ
+
+    # peers as they ship; ours apply posttrain's malloc settings themselves (see CHILD)
     r = subprocess.run([sys.executable, "-c", CHILD, kind, str(model_dir)], cwd=ROOT,
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, env=peer_environ())
     if r.returncode:
         raise RuntimeError(r.stderr[-3000:])
     return json.loads(r.stdout.split("@@")[-1])

@@ -89,16 +89,19 @@ print(json.dumps({"tokens_per_s": sum(timer.tokens[w:]) / dt}))
 ''' % WARMUP
 
 
-def trl(steps: int, tok_dir: Path) -> float:
+def trl(steps: int, tok_dir: Path, keep_freed_memory: bool = False) -> float:
+    from benchmarks.common import peer_environ
+
     r = subprocess.run([sys.executable, "-c", TRL_SCRIPT, str(steps), str(tok_dir)], cwd=ROOT,
-                       check=True, capture_output=True, text=True)
+                       check=True, capture_output=True, text=True,
+                       env=peer_environ(keep_freed_memory))
     return json.loads(r.stdout.strip().splitlines()[-1])["tokens_per_s"]
 
 
-def tunix(steps: int, model_dir: Path) -> float:
+def tunix(steps: int, model_dir: Path, keep_freed_memory: bool = False) -> float:
     from benchmarks.common import run_tunix
 
-    return run_tunix(ROOT, "sft", model_dir, steps)["tokens_per_s_mean"]
+    return run_tunix(ROOT, "sft", model_dir, steps, keep_freed_memory)["tokens_per_s_mean"]
 
 
 def main():
@@ -107,7 +110,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--peers", default="tunix,trl",
                     help="comma-separated: tunix (its own venv, benchmarks/peers/setup_tunix.sh), trl")
+    ap.add_argument("--peers-keep-freed-memory", action="store_true",
+                    help="run the peers with the glibc malloc settings posttrain gives itself "
+                         "(posttrain/host_memory.py) instead of as they ship")
     args = ap.parse_args()
+    keep = args.peers_keep_freed_memory
     peers = [p for p in args.peers.split(",") if p]
     from benchmarks.common import (REFERENCE, matmul_peak_gflops, train_flops_per_token, tunix_python,
                                    steal_report, with_steal)
@@ -125,8 +132,8 @@ def main():
                                    kv=2, head_dim=64)
     peak = matmul_peak_gflops()
     runs = {"ours": lambda: ours(args.steps, work, lora=False),
-            "tunix": lambda: tunix(args.steps, model_dir),
-            "trl": lambda: trl(args.steps, tok_dir),
+            "tunix": lambda: tunix(args.steps, model_dir, keep),
+            "trl": lambda: trl(args.steps, tok_dir, keep),
             "ours_lora": lambda: ours(args.steps, work, lora=True)}
     order = ["ours"] + peers + ["ours_lora"]
     res = {k: [] for k in order}
@@ -140,7 +147,8 @@ def main():
     fpt = train_flops_per_token(REFERENCE, 256)
     labels = {"ours": "posttrain full FT", "ours_lora": "posttrain LoRA r16",
               "tunix": "Tunix PeftTrainer", "trl": "TRL SFTTrainer"}
-    print(f"matmul peak measured now: {peak:.0f} GFLOP/s (f32)")
+    print(f"matmul peak measured now: {peak:.0f} GFLOP/s (f32); peers' host malloc: "
+          + ("posttrain's settings" if keep else "glibc's defaults, as they ship"))
     print(f"{'run':<22}{'tokens/s (best of ' + str(args.rounds) + ')':>26}{'MFU':>8}"
           + "".join(f"{'vs ' + p:>10}" for p in peers))
     for k in order:

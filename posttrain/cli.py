@@ -115,9 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         args.items += extra  # positional overrides after an option: `run R --set a=1 b=2`
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from posttrain import compile_cache
+    from posttrain import compile_cache, host_memory
 
     compile_cache.enable()  # before anything compiles; children inherit it
+    host_memory.keep_freed_memory()  # before JAX's threads allocate; children inherit it
     try:
         if getattr(args, "early", None):  # e.g. device flags that must precede JAX's start
             args.early(args)
