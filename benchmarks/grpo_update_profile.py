@@ -77,6 +77,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
+    from posttrain import host_memory
+
+    host_memory.keep_freed_memory()  # as every posttrain command does, before JAX runs
     work = Path(tempfile.mkdtemp(prefix="grpo_update_profile_"))
     step, state, batch = build(work)
     for _ in range(3):

@@ -1,6 +1,8 @@
 """What keeping freed host memory (`posttrain.host_memory`) saves: the reference SFT step and the
 JAX engine's reference generation, each in a fresh process with glibc's defaults
-(`POSTTRAIN_HOST_MALLOC=default`) and with posttrain's settings, alternating, round by round.
+(`POSTTRAIN_HOST_MALLOC=default`), with the settings of a process that trains (`train`: one
+arena) and with those of one that only generates (`generate`: per-thread arenas), alternating,
+round by round.
 
     python -m benchmarks.host_memory [--rounds 3] [--steps 8]
 
@@ -26,12 +28,12 @@ CHILD = r'''
 import json, resource, sys, time
 sys.path.insert(0, ".")
 from posttrain import host_memory
-applied = host_memory.keep_freed_memory()
+steps, setting = int(sys.argv[1]), sys.argv[2]
+applied = host_memory.keep_freed_memory(one_arena=setting == "train")
 import jax
 import numpy as np
 from benchmarks.common import REFERENCE, matmul_peak_gflops
 from benchmarks.train_step import build
-steps = int(sys.argv[1])
 
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -67,8 +69,8 @@ print("@@" + json.dumps(dict(applied=applied, sft_s=sft_s, sft_faults=sft_faults
 
 def run_child(setting: str, steps: int) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "XLA_FLAGS"}
-    env |= {"JAX_PLATFORMS": "cpu", "POSTTRAIN_HOST_MALLOC": setting}
-    r = subprocess.run([sys.executable, "-c", CHILD, str(steps)], cwd=ROOT, env=env,
+    env |= {"JAX_PLATFORMS": "cpu", "POSTTRAIN_HOST_MALLOC": "default" if setting == "default" else "keep"}
+    r = subprocess.run([sys.executable, "-c", CHILD, str(steps), setting], cwd=ROOT, env=env,
                        capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(r.stderr[-3000:])
@@ -80,25 +82,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     args = ap.parse_args()
-    runs: dict[str, list[dict]] = {"default": [], "keep": []}
+    runs: dict[str, list[dict]] = {"default": [], "train": [], "generate": []}
     stolen: dict[str, list] = {k: [] for k in runs}
     for r in range(args.rounds):
         for setting in runs:
             out, steal = with_steal(lambda: run_child(setting, args.steps))
             runs[setting].append(out)
             stolen[setting].append(steal)
-            print(f"round {r + 1} {setting:7s} (glibc took the settings: {out['applied']}): "
+            print(f"round {r + 1} {setting:8s} (glibc took the settings: {out['applied']}): "
                   f"SFT step {out['sft_s'] * 1e3:6.0f} ms, {out['sft_faults']:8.0f} faults/step; "
                   f"generation {out['gen_s'] * 1e3:6.0f} ms, {out['gen_faults']:7.0f} faults; "
                   f"peak {out['peak']:.0f} GFLOP/s", flush=True)
     best = {k: {m: min(o[m] for o in v) for m in ("sft_s", "gen_s")} for k, v in runs.items()}
-    tokens = 16 * 256
-    print(f"\nSFT step, best: default {tokens / best['default']['sft_s']:,.0f} tokens/s, keep "
-          f"{tokens / best['keep']['sft_s']:,.0f} tokens/s: "
-          f"{best['default']['sft_s'] / best['keep']['sft_s']:.2f}x")
-    print(f"generation, best: default {64 * 64 / best['default']['gen_s']:,.0f} tokens/s, keep "
-          f"{64 * 64 / best['keep']['gen_s']:,.0f} tokens/s: "
-          f"{best['default']['gen_s'] / best['keep']['gen_s']:.2f}x")
+    rate = {"sft_s": 16 * 256, "gen_s": 64 * 64}
+    for m, what in (("sft_s", "SFT step"), ("gen_s", "generation")):
+        d = best["default"][m]
+        print(f"{what}, best: default {rate[m] / d:,.0f} tokens/s; "
+              + "; ".join(f"{k} {rate[m] / best[k][m]:,.0f} ({d / best[k][m]:.2f}x)"
+                          for k in ("train", "generate")))
     print(steal_report(stolen))
 
 

@@ -32,9 +32,9 @@ import json, os, statistics, sys, time
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, ".")
 kind, model_dir = sys.argv[1], sys.argv[2]
-if kind in ("jax", "vllm_ours"):  # our engines run under `posttrain`, which keeps freed memory
+if kind in ("jax", "vllm_ours"):  # as `posttrain generate` and a Ray rollout worker run them
     from posttrain import host_memory
-    host_memory.keep_freed_memory()
+    host_memory.keep_freed_memory(one_arena=False)
 import numpy as np
 rng = np.random.default_rng(0)
 prompts = [rng.integers(3, 400, int(rng.integers(8, 24))).tolist() for _ in range(%(P)d)]

@@ -90,6 +90,9 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
+    from posttrain import host_memory
+
+    host_memory.keep_freed_memory()  # as every posttrain command does, before JAX runs
     peak = matmul_peak_gflops()
     rows = []
     for name, kw in [("scan, no remat", {}), ("unrolled, no remat", {"scan": False}),

@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run a recipe (all its stages)")
     add_recipe_arguments(run)
-    run.set_defaults(fn=_cmd_run)
+    run.set_defaults(fn=_cmd_run, trains=True)
 
     val = sub.add_parser("validate", help="parse and cross-check recipes without running them")
     add_recipe_arguments(val, many=True)
@@ -118,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     from posttrain import compile_cache, host_memory
 
     compile_cache.enable()  # before anything compiles; children inherit it
-    host_memory.keep_freed_memory()  # before JAX's threads allocate; children inherit it
+    # before JAX's threads allocate; children inherit it. One arena only where a run trains:
+    # it costs a decode-only process more than it saves there (posttrain/host_memory.py)
+    host_memory.keep_freed_memory(one_arena=getattr(args, "trains", False))
     try:
         if getattr(args, "early", None):  # e.g. device flags that must precede JAX's start
             args.early(args)

@@ -48,6 +48,9 @@ def build_engine(spec: dict[str, Any]):
 @ray.remote
 class RolloutWorker:
     def __init__(self, spec: dict[str, Any]):
+        from posttrain import host_memory
+
+        host_memory.thread_arenas()  # this process only generates: see posttrain/host_memory.py
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.engine = build_engine(spec)
 
