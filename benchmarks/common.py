@@ -301,8 +301,8 @@ def tunix_python(root) -> str:
 
 def peer_environ(keep_freed_memory: bool = False) -> dict:
     """The environment a peer runs in: ours without XLA flags or glibc malloc settings, so the
-    peer runs as it ships; with `keep_freed_memory`, with the malloc settings every posttrain
-    command applies to itself (`posttrain.host_memory`), to measure what they would give it."""
+    peer runs as it ships; with `keep_freed_memory`, with the malloc settings `posttrain run`
+    applies to itself (`posttrain.host_memory`), to measure what they would give it."""
     import os
 
     from posttrain.host_memory import SETTINGS

@@ -79,7 +79,7 @@ def main() -> None:
     args = ap.parse_args()
     from posttrain import host_memory
 
-    host_memory.keep_freed_memory()  # as every posttrain command does, before JAX runs
+    host_memory.keep_freed_memory()  # as `posttrain run` does, before JAX runs
     work = Path(tempfile.mkdtemp(prefix="grpo_update_profile_"))
     step, state, batch = build(work)
     for _ in range(3):

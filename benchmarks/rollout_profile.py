@@ -57,9 +57,6 @@ def main() -> None:
     ap.add_argument("--shape", default="reference", choices=list(SHAPES))
     ap.add_argument("--top", type=int, default=20)
     args = ap.parse_args()
-    from posttrain import host_memory
-
-    host_memory.keep_freed_memory(one_arena=False)  # as `posttrain generate` does, before JAX runs
     s = SHAPES[args.shape]
     cfg = REFERENCE.model_copy(update=dict(
         hidden_size=s["hidden"], intermediate_size=s["inter"], num_hidden_layers=s["layers"],

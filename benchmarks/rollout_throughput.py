@@ -32,9 +32,6 @@ import json, os, statistics, sys, time
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, ".")
 kind, model_dir = sys.argv[1], sys.argv[2]
-if kind in ("jax", "vllm_ours"):  # as `posttrain generate` and a Ray rollout worker run them
-    from posttrain import host_memory
-    host_memory.keep_freed_memory(one_arena=False)
 import numpy as np
 rng = np.random.default_rng(0)
 prompts = [rng.integers(3, 400, int(rng.integers(8, 24))).tolist() for _ in range(%(P)d)]
@@ -122,7 +119,8 @@ print("@@" + json.dumps({"tokens_per_s": tps, "sync_s": sync}))
 def child(kind: str, model_dir: Path) -> dict:
     from benchmarks.common import peer_environ
 
-    # peers as they ship; ours apply posttrain's malloc settings themselves (see CHILD)
+    # glibc's malloc defaults for all: our engines as `posttrain generate` and Ray rollout
+    # workers run them (posttrain/host_memory.py), the peers as they ship
     r = subprocess.run([sys.executable, "-c", CHILD, kind, str(model_dir)], cwd=ROOT,
                        capture_output=True, text=True, env=peer_environ())
     if r.returncode:

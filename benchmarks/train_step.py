@@ -92,7 +92,7 @@ def main():
     args = ap.parse_args()
     from posttrain import host_memory
 
-    host_memory.keep_freed_memory()  # as every posttrain command does, before JAX runs
+    host_memory.keep_freed_memory()  # as `posttrain run` does, before JAX runs
     peak = matmul_peak_gflops()
     rows = []
     for name, kw in [("scan, no remat", {}), ("unrolled, no remat", {"scan": False}),

@@ -118,9 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     from posttrain import compile_cache, host_memory
 
     compile_cache.enable()  # before anything compiles; children inherit it
-    # before JAX's threads allocate; children inherit it. One arena only where a run trains:
-    # it costs a decode-only process more than it saves there (posttrain/host_memory.py)
-    host_memory.keep_freed_memory(one_arena=getattr(args, "trains", False))
+    if getattr(args, "trains", False):  # before JAX's threads allocate (posttrain/host_memory.py)
+        host_memory.keep_freed_memory()
     try:
         if getattr(args, "early", None):  # e.g. device flags that must precede JAX's start
             args.early(args)

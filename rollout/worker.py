@@ -48,9 +48,6 @@ def build_engine(spec: dict[str, Any]):
 @ray.remote
 class RolloutWorker:
     def __init__(self, spec: dict[str, Any]):
-        from posttrain import host_memory
-
-        host_memory.thread_arenas()  # this process only generates: see posttrain/host_memory.py
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.engine = build_engine(spec)
 

@@ -54,6 +54,9 @@ class TrainerHost:
     """One host of the group: joins jax.distributed, then runs a `Trainer` over the global mesh."""
 
     def __init__(self, rank: int):
+        from posttrain import host_memory
+
+        host_memory.keep_freed_memory()  # a process that trains: before JAX starts its threads
         self.rank, self.trainer = rank, None
 
     def info(self) -> dict:
