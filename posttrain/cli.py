@@ -118,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     from posttrain import compile_cache, host_memory
 
     compile_cache.enable()  # before anything compiles; children inherit it
-    if getattr(args, "trains", False):  # before JAX's threads allocate (posttrain/host_memory.py)
-        host_memory.keep_freed_memory()
     try:
+        if getattr(args, "trains", False):  # before JAX's threads allocate (host_memory.py)
+            host_memory.keep_freed_memory()
         if getattr(args, "early", None):  # e.g. device flags that must precede JAX's start
             args.early(args)
         return args.fn(args)

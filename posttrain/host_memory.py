@@ -20,7 +20,7 @@ BENCHMARKS.md). The settings:
 
 The price: a process keeps its peak heap instead of returning it to the kernel (as tcmalloc and
 jemalloc do), and every thread takes one arena's lock. The second costs the JAX engine's decode
-loop, whose executor threads make many small allocations, 5-10% (strace: 4x the futex calls),
+loop, whose executor threads make many small allocations, 4-12% (strace: 4x the futex calls),
 which is why processes that only generate (`posttrain generate` / `eval`, Ray rollout workers,
 reward workers) keep glibc's defaults; a colocated engine shares its trainer's process.
 Accelerator memory is untouched: only host malloc.
@@ -28,7 +28,8 @@ Accelerator memory is untouched: only host malloc.
 Applied by `mallopt` in the process itself, before JAX starts its threads (a thread keeps the
 arena it first allocated from), and not put in the environment, so that the processes a run
 starts keep glibc's defaults unless they train too. A `MALLOC_*` variable the user set is left
-alone (glibc applied it at start-up); `POSTTRAIN_HOST_MALLOC=default` turns all of this off.
+alone (glibc applied it at start-up); `POSTTRAIN_HOST_MALLOC=default` turns all of this off
+(`keep`, the default, leaves it on; any other value is an error).
 Only glibc on Linux is tuned; elsewhere this does nothing.
 """
 
@@ -38,25 +39,31 @@ import ctypes
 import os
 import platform
 
+from posttrain.errors import UserError
+
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # malloc.h
 SETTINGS = {"MALLOC_ARENA_MAX": (M_ARENA_MAX, 1),
             "MALLOC_MMAP_THRESHOLD_": (M_MMAP_THRESHOLD, 1 << 30),
             "MALLOC_TRIM_THRESHOLD_": (M_TRIM_THRESHOLD, (1 << 31) - 1)}  # mallopt takes an int
 
 
-def wanted(environ: dict | None = None) -> bool:
-    e = os.environ if environ is None else environ
-    return e.get("POSTTRAIN_HOST_MALLOC", "keep").strip().lower() != "default"
+def wanted() -> bool:
+    choice = os.environ.get("POSTTRAIN_HOST_MALLOC", "keep").strip().lower()
+    if choice not in ("keep", "default"):
+        raise UserError(f"POSTTRAIN_HOST_MALLOC={choice!r}: expected 'keep' (posttrain's malloc "
+                        "settings in processes that train) or 'default' (glibc's)")
+    return choice == "keep"
 
 
 def keep_freed_memory() -> bool:
     """Apply the settings to this process; call it before JAX runs anything. Returns whether
-    glibc took them (False where turned off or not glibc)."""
+    glibc took them all (False where turned off or not glibc)."""
     if not wanted() or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
-    return all(libc.mallopt(param, value) == 1 for name, (param, value) in SETTINGS.items()
-               if name not in os.environ)
+    taken = [libc.mallopt(param, value) == 1 for name, (param, value) in SETTINGS.items()
+             if name not in os.environ]  # every one tried, even after a refusal
+    return all(taken)

@@ -68,3 +68,10 @@ def test_only_processes_that_train_take_them():
     assert not getattr(build_parser().parse_args(["validate", "r.yaml"]), "trains", False)
     _, _, arenas, trim = _probe()
     assert arenas == "None" and trim == "None"
+
+
+def test_an_unknown_setting_is_a_clear_error_before_anything_runs():
+    r = subprocess.run([sys.executable, "-m", "posttrain.cli", "run", "no-such-recipe.yaml"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "POSTTRAIN_HOST_MALLOC": "off"})
+    assert r.returncode == 2 and "POSTTRAIN_HOST_MALLOC='off'" in r.stderr
