@@ -41,30 +41,48 @@ def bucket_rows(n: int, minimum: int = 8, step: int = 64) -> int:
     return bucket_pow2(n, minimum) if n <= step else bucket_mult(n, step)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "gen_len", "group"))
+def phase_ends(gen_len: int, max_phases: int, step: int = 16) -> tuple[int, ...]:
+    """How many decode steps have run when each phase of the decode ends: `gen_len` split into
+    at most `max_phases` runs of whole multiples of `step` (the last ends at `gen_len`).
+
+    A decode step attends over every slot of the KV cache, filled or not, and reading those
+    slots is most of what a step costs beyond the weights (the step time grows linearly with
+    the slots). Phase j's cache holds the prompt bucket and only the `phase_ends[j]` slots its
+    steps can fill, so the first steps of a 64-token generation read 48 slots, not 96."""
+    chunks = max(1, gen_len // step)
+    n = max(1, min(max_phases, chunks))
+    ends = tuple(-(-chunks * j // n) * step for j in range(1, n + 1))
+    return ends[:-1] + (gen_len,)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "gen_len", "group", "phases"))
 def _generate(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p, full, max_new,
-              stop_ids, gen_len: int, group: int = 1, packing=None):
+              stop_ids, gen_len: int, group: int = 1, packing=None, phases: tuple[int, ...] = ()):
     """`tokens_bt` [P, T]: the distinct prompts, each prefilled once; its KV cache and last
     logits are then repeated `group` times, so rows i * group .. i * group + group - 1 of the
     P * group decoded in lockstep are the group's samples of prompt i (GRPO's G completions
     share one prefill). `packing`: None, or the prompts packed several to a row for the prefill
-    (`pack_prompts`), which then runs over fewer padded positions."""
+    (`pack_prompts`), which then runs over fewer padded positions. `phases`: `phase_ends`, the
+    decode run as one `while_loop` per phase over a cache that grows between them (empty: one
+    loop over the whole cache); the tokens are the same either way (masked slots weigh exactly
+    0), the log-probs equal up to fp32 summation order."""
     model = nnx.merge(graphdef, state)
     u, tp = tokens_bt.shape
+    ends = phases or (gen_len,)
     if packing is None:
-        cache = KVCache.init(model.cfg, u, tp + gen_len)
+        cache = KVCache.init(model.cfg, u, tp + ends[0])
         pos = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (u, tp))
         seg = (pos < lens_b[:, None]).astype(jnp.int32)
         logits, cache = model(tokens_bt, pos, seg, cache=cache)
         last = jnp.take_along_axis(logits, (lens_b - 1)[:, None, None], axis=1)[:, 0]
     else:
-        cache, last = _packed_prefill(model, packing, lens_b, tp + gen_len)
+        cache, last = _packed_prefill(model, packing, lens_b, tp + ends[0])
     cache, last, lens_b = cache.repeat(group), jnp.repeat(last, group, 0), jnp.repeat(lens_b, group)
     b = u * group
 
-    def cond(c):
+    def cond(c, end):
         i, done = c[0], c[-2]
-        return (i < max_new) & ~jnp.all(done)
+        return (i < jnp.minimum(max_new, end)) & ~jnp.all(done)
 
     def body(c):
         i, cache, cur, out_t, out_lp, out_k, done, n = c
@@ -80,10 +98,14 @@ def _generate(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p
                               jnp.ones((b, 1), jnp.int32), cache=cache)
         return i + 1, cache, logits[:, 0], out_t, out_lp, out_k, done, n
 
-    init = (jnp.int32(0), cache, last, jnp.zeros((b, gen_len), jnp.int32),
-            jnp.zeros((b, gen_len), jnp.float32), jnp.zeros((b, gen_len), jnp.int32),
-            jnp.zeros((b,), bool), jnp.zeros((b,), jnp.int32))
-    _, _, _, out_t, out_lp, out_k, _, n = jax.lax.while_loop(cond, body, init)
+    c = (jnp.int32(0), cache, last, jnp.zeros((b, gen_len), jnp.int32),
+         jnp.zeros((b, gen_len), jnp.float32), jnp.zeros((b, gen_len), jnp.int32),
+         jnp.zeros((b,), bool), jnp.zeros((b,), jnp.int32))
+    for j, end in enumerate(ends):
+        if j:  # room for this phase's tokens
+            c = (c[0], c[1].grow(tp + end)) + c[2:]
+        c = jax.lax.while_loop(partial(cond, end=end), body, c)
+    _, _, _, out_t, out_lp, out_k, _, n = c
     return out_t, out_lp, out_k, n
 
 
@@ -210,9 +232,10 @@ def _same_arrays(a, b) -> bool:
 class JaxEngine:
     def __init__(self, model: CausalLM, tokenizer=None, *, eos_token_ids: Sequence[int] = (),
                  version: int = 0, seed: int = 0, copy_weights: bool = False,
-                 pack_prefill: bool = True):
+                 pack_prefill: bool = True, decode_phases: int = 4):
         self.graphdef, self.state = nnx.split(model)
         self.pack_prefill = pack_prefill  # prompts several to a row in the prefill (`pack_prompts`)
+        self.decode_phases = decode_phases  # at most this many cache lengths (`phase_ends`)
         # Whether `state` is the engine's own copy (nobody else holds its buffers), which a sync
         # may then overwrite in place.
         self._owns_state = copy_weights
@@ -354,6 +377,7 @@ class JaxEngine:
             jnp.float32(params.temperature), jnp.int32(params.top_k), jnp.float32(params.top_p),
             jnp.bool_(params.logprobs == "full"), jnp.int32(params.max_tokens),
             jnp.asarray(stop_ids), gen_len=gen_len, group=params.n,
+            phases=phase_ends(gen_len, self.decode_phases),
             packing=None if packing is None else jax.tree.map(jnp.asarray, packing)))
         out = []
         stop_set = set(stop)

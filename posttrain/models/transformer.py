@@ -75,6 +75,25 @@ class KVCache(NamedTuple):
         return KVCache(k, v, jnp.repeat(self.pos, n, axis=0), jnp.repeat(self.seg, n, axis=0),
                        self.end)
 
+    def grow(self, slots: int) -> "KVCache":
+        """The same cache with empty slots appended up to `slots` (segment 0: masked out). A
+        decode that reads only the slots it can have filled by now attends over a short cache
+        first and grows it as it goes (`rollout.jax_engine`)."""
+        extra = slots - self.pos.shape[1]
+        if extra <= 0:
+            return self
+
+        def pad(x, axis):
+            widths = [(0, 0)] * x.ndim
+            widths[axis] = (0, extra)
+            return jnp.pad(x, widths)
+
+        if isinstance(self.k, tuple):
+            k, v = tuple(pad(x, -1) for x in self.k), tuple(pad(x, -2) for x in self.v)
+        else:
+            k, v = pad(self.k, -1), pad(self.v, -2)
+        return KVCache(k, v, pad(self.pos, 1), pad(self.seg, 1), self.end)
+
 
 def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
     @nnx.split_rngs(splits=cfg.num_hidden_layers)
