@@ -10,7 +10,8 @@ jitted generation with unrolled layers. Prints, against the matmul peak measured
   attention dots and everything else, and the rate the weight matmuls reach inside the loop,
   against the same matmuls alone in a jitted loop of 64 steps (`matmul_floor_seconds`);
 - the step time against the KV cache's length (new tokens 32 .. 192): the part of a step that
-  grows with the slots attention reads, and the part that does not.
+  grows with the slots attention reads, and the part that does not (the decode runs in phases
+  whose caches grow to that length, `rollout.jax_engine.phase_ends`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def main() -> None:
     from benchmarks.rollout_throughput import SHAPES
     from posttrain.models import build_model
     from rollout.engine import SamplingParams
-    from rollout.jax_engine import JaxEngine
+    from rollout.jax_engine import JaxEngine, bucket_mult, phase_ends
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="reference", choices=list(SHAPES))
@@ -85,29 +86,33 @@ def main() -> None:
         raise SystemExit(f"XLA wrote no dump of the generation under {dump}: is XLA_FLAGS honoured?")
 
     ops = op_times(generate(), 3)
-    per_step = {n: t for n, t in ops.items() if t.count == NEW}  # the while loop's body
+    # the decode loops' bodies (one per phase of `phase_ends`); the prefill's ops run once
+    per_step = {n: t for n, t in ops.items() if t.count > 1}
     hlo = max(per_module, key=lambda h: sum(n in h for n in per_step))
     groups = op_groups(per_step, hlo)
     busy = sum(t.wall for t in per_step.values())
     matmul_gflop = 2 * PROMPTS * NEW * matmul_params(cfg) / 1e9
     mm = groups[WEIGHT_MATMULS]
-    print(f"decode loop: {len(per_step)} ops per step, busy {busy / NEW:.2f} of the "
+    print(f"decode loops ({len(phase_ends(bucket_mult(NEW), engine.decode_phases))} phases): "
+          f"{len(per_step)} ops, busy {busy / NEW:.2f} of the "
           f"{wall / NEW * 1e3:.2f} ms (wall clock, ops that run at once share it; the rest is the "
           f"prefill's share and the executor's gaps between thunks); the weight matmuls' {matmul_gflop:.1f} "
           f"GFLOP at {matmul_gflop / mm * 1e3:.0f} GFLOP/s (the floor loop: "
           f"{matmul_gflop / floor:.0f} GFLOP/s)")
     for group, ms in groups.items():
         print(f"  {ms / NEW:7.3f} ms/step  {100 * ms / busy:5.1f}%  {group}")
-    print("largest ops per step (wall ms; own duration; what it computes):")
+    print("largest ops, per decode step (wall ms; own duration; what it computes; an op of one "
+          "phase's loop runs in that phase's steps only):")
     for name, t in sorted(per_step.items(), key=lambda kv: -kv[1].wall)[:args.top]:
         shape, op = hlo.get(name, ("?", "?"))
         print(f"  {t.wall / NEW:7.3f} ms  {t.op / NEW:7.3f} ms  {name:28s} {shape:24s} "
               f"{op.split('/')[-1]}")
 
-    print("step time against the KV cache's length (prompt bucket 32 + new tokens):")
+    print("step time against the KV cache's length (prompt bucket 32 + new tokens; the phases'"
+          " caches grow to it):")
     for new in (32, 64, 128, 192):
         t = best_seconds(generate(new), reps=4)
-        print(f"  {32 + new:4d} slots: {t / new * 1e3:.2f} ms per step")
+        print(f"  {32 + new:4d} slots at the end: {t / new * 1e3:.2f} ms per step")
 
 
 if __name__ == "__main__":

@@ -73,18 +73,20 @@ def _generate(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p
         cache = KVCache.init(model.cfg, u, tp + ends[0])
         pos = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (u, tp))
         seg = (pos < lens_b[:, None]).astype(jnp.int32)
-        logits, cache = model(tokens_bt, pos, seg, cache=cache)
-        last = jnp.take_along_axis(logits, (lens_b - 1)[:, None, None], axis=1)[:, 0]
+        x, cache, _ = model.hidden_states(tokens_bt, pos, seg, cache)
+        last_x = jnp.take_along_axis(x, (lens_b - 1)[:, None, None], axis=1)  # [U, 1, E]
+        last = model.logits_from_hidden(last_x)[:, 0]  # the LM head at the last tokens only
     else:
         cache, last = _packed_prefill(model, packing, lens_b, tp + ends[0])
     cache, last, lens_b = cache.repeat(group), jnp.repeat(last, group, 0), jnp.repeat(lens_b, group)
     b = u * group
 
-    def cond(c, end):
+    def cond(c, end):  # the last token needs no forward: it is sampled after the loops
         i, done = c[0], c[-2]
-        return (i < jnp.minimum(max_new, end)) & ~jnp.all(done)
+        return (i < jnp.minimum(max_new - 1, end)) & ~jnp.all(done)
 
-    def body(c):
+    def emit(c):
+        """Sample token i from the current logits and record it: -> (token, carry)."""
         i, cache, cur, out_t, out_lp, out_k, done, n = c
         tok, lp, kept = sample(jax.random.fold_in(key, i), cur, temperature, top_k, top_p, full)
         tok = jnp.where(done, 0, tok).astype(jnp.int32)
@@ -94,6 +96,10 @@ def _generate(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p
         n = n + (~done).astype(jnp.int32)
         hit_stop = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
         done = done | hit_stop | (i + 1 >= max_new)
+        return tok, (i, cache, cur, out_t, out_lp, out_k, done, n)
+
+    def body(c):
+        tok, (i, cache, _, out_t, out_lp, out_k, done, n) = emit(c)
         logits, cache = model(tok[:, None], (lens_b + i)[:, None],
                               jnp.ones((b, 1), jnp.int32), cache=cache)
         return i + 1, cache, logits[:, 0], out_t, out_lp, out_k, done, n
@@ -105,7 +111,8 @@ def _generate(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p
         if j:  # room for this phase's tokens
             c = (c[0], c[1].grow(tp + end)) + c[2:]
         c = jax.lax.while_loop(partial(cond, end=end), body, c)
-    _, _, _, out_t, out_lp, out_k, _, n = c
+    # the last token (rows already done record nothing: their token is 0 and n stays)
+    _, (_, _, _, out_t, out_lp, out_k, _, n) = emit(c)
     return out_t, out_lp, out_k, n
 
 
