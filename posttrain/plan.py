@@ -254,7 +254,13 @@ def estimate(cfg, mc, mesh_sizes: dict[str, int], hbm: float) -> Estimate:
         else:
             est.rollout_weights = pbytes  # the colocated JAX engine copies the (sharded) weights
             seqs = g.prompts_per_step * g.group_size / batch_shards
-            est.rollout_kv = seqs * t * 2 * mc.num_hidden_layers * mc.num_key_value_heads \
+            from rollout.jax_engine import bucket_mult, phase_ends
+
+            # a decode in phases grows its cache: at the last boundary the grown cache and the
+            # one before it (short of the last phase's slots) coexist
+            ends = phase_ends(bucket_mult(g.max_tokens), r.decode_phases)
+            held = t + (max(0, t - (ends[-1] - ends[-2])) if len(ends) > 1 else 0)
+            est.rollout_kv = seqs * held * 2 * mc.num_hidden_layers * mc.num_key_value_heads \
                 * mc.head_dim * (2 if mc.compute_dtype == "bfloat16" else 4) / mesh_sizes["tensor"]
     return est
 

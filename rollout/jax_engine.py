@@ -1,12 +1,14 @@
 """The native JAX rollout engine: prefill + batched decode on the trainer's own model code.
 
 One jitted function does the whole generation: a prefill of the (right-padded) prompts into the
-KV cache, then a `lax.while_loop` that samples a token per sequence, feeds it back, and stops as
-soon as every sequence has hit a stop token or the length limit. No Python runs per token. The n
+KV cache, then `lax.while_loop`s that sample a token per sequence, feed it back, and stop as soon
+as every sequence has hit a stop token or the length limit. No Python runs per token. The n
 samples of a prompt share its prefill (its KV cache repeated n times), and many short prompts are
-prefilled packed several to a row, then laid out one per cache row. Shapes are bucketed
-(rows to a power of two up to 64, then a multiple of 64; prompt and generation lengths to
-multiples of 32) so a new batch rarely compiles. With a sharded model the same function runs
+prefilled packed several to a row, then laid out one per cache row. The decode runs in a few
+phases (one loop each) over a cache that grows between them, so a step reads only the slots
+that can be filled by then (`phase_ends`). Shapes are bucketed (rows to a power of two up to
+64, then a multiple of 64; prompt and generation lengths to multiples of 32) so a new batch
+rarely compiles. With a sharded model the same function runs
 over the mesh.
 """
 
@@ -48,7 +50,10 @@ def phase_ends(gen_len: int, max_phases: int, step: int = 16) -> tuple[int, ...]
     A decode step attends over every slot of the KV cache, filled or not, and reading those
     slots is most of what a step costs beyond the weights (the step time grows linearly with
     the slots). Phase j's cache holds the prompt bucket and only the `phase_ends[j]` slots its
-    steps can fill, so the first steps of a 64-token generation read 48 slots, not 96."""
+    steps can fill, so the first steps of a 64-token generation read 48 slots, not 96. Each
+    phase is a loop body of its own to compile, and at the last boundary the grown cache and the
+    one before it coexist (peak KV memory up to ~1.75x one full cache with 4 phases;
+    `posttrain.plan` counts both)."""
     chunks = max(1, gen_len // step)
     n = max(1, min(max_phases, chunks))
     ends = tuple(-(-chunks * j // n) * step for j in range(1, n + 1))

@@ -36,8 +36,8 @@ def build_engine(spec: dict[str, Any]):
         tok = load_tokenizer(spec["tokenizer_dir"]) if spec.get("tokenizer_dir") else None
         # the trainer's layer layout (unrolled layers decode with per-layer KV buffers)
         model = from_pretrained(spec["model_dir"], scan_layers=spec.get("scan_layers", True))
-        return JaxEngine(model, tok,
-                         eos_token_ids=spec.get("eos_token_ids", ()), seed=spec.get("seed", 0))
+        return JaxEngine(model, tok, eos_token_ids=spec.get("eos_token_ids", ()),
+                         seed=spec.get("seed", 0), decode_phases=spec.get("decode_phases", 4))
     if kind == "vllm":
         from rollout.vllm_engine import VllmEngine
 

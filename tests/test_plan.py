@@ -106,3 +106,18 @@ def test_colocated_vllm_is_planned_as_a_pool_beside_jaxs():
     assert "JAX's pool: trainer.memory_fraction 0.6" in r["advice"][0]
     assert any(a.startswith("trainer.memory_fraction: 0.6 -> 0.75") and "(enough)" in a
                for a in r["advice"][1:]), r["advice"]
+
+
+def test_colocated_jax_engine_kv_counts_the_phased_decodes_two_caches():
+    """The JAX engine's decode in phases grows its KV cache: at the last boundary the grown cache
+    and the one before it coexist. grpo_tiny: 64 sequences x seq_len 64, 4 layers x 2 KV heads x
+    64 dims x k and v x 4 bytes; max_tokens 16 decodes in phases of 16 and 32 steps, so the one
+    before the last holds 64 - 16 = 48 slots."""
+    full = 64 * 64 * 4 * 2 * 64 * 2 * 4
+    kv = {}
+    for phases in (1, 4):
+        rc, (_, r) = plan("recipes/grpo_tiny.yaml", "--no-compile", "--devices", 1,
+                          f"stages.1.rollout.decode_phases={phases}")
+        assert rc == 0 and r["stage"] == "grpo"
+        kv[phases] = r["estimate"]["rollout KV cache"]
+    assert kv[1] == full and kv[4] == full * (64 + 48) / 64
