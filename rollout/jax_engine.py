@@ -43,6 +43,9 @@ def bucket_rows(n: int, minimum: int = 8, step: int = 64) -> int:
     return bucket_pow2(n, minimum) if n <= step else bucket_mult(n, step)
 
 
+DECODE_PHASES = 4  # the default of `rollout.decode_phases`
+
+
 def phase_ends(gen_len: int, max_phases: int, step: int = 16) -> tuple[int, ...]:
     """How many decode steps have run when each phase of the decode ends: `gen_len` split into
     at most `max_phases` runs of whole multiples of `step` (the last ends at `gen_len`).
@@ -244,7 +247,7 @@ def _same_arrays(a, b) -> bool:
 class JaxEngine:
     def __init__(self, model: CausalLM, tokenizer=None, *, eos_token_ids: Sequence[int] = (),
                  version: int = 0, seed: int = 0, copy_weights: bool = False,
-                 pack_prefill: bool = True, decode_phases: int = 4):
+                 pack_prefill: bool = True, decode_phases: int = DECODE_PHASES):
         self.graphdef, self.state = nnx.split(model)
         self.pack_prefill = pack_prefill  # prompts several to a row in the prefill (`pack_prompts`)
         self.decode_phases = decode_phases  # at most this many cache lengths (`phase_ends`)

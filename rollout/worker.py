@@ -31,13 +31,14 @@ def build_engine(spec: dict[str, Any]):
     if kind == "jax":
         from posttrain.data.tokenizer import load_tokenizer
         from posttrain.models import from_pretrained
-        from rollout.jax_engine import JaxEngine
+        from rollout.jax_engine import DECODE_PHASES, JaxEngine
 
         tok = load_tokenizer(spec["tokenizer_dir"]) if spec.get("tokenizer_dir") else None
         # the trainer's layer layout (unrolled layers decode with per-layer KV buffers)
         model = from_pretrained(spec["model_dir"], scan_layers=spec.get("scan_layers", True))
         return JaxEngine(model, tok, eos_token_ids=spec.get("eos_token_ids", ()),
-                         seed=spec.get("seed", 0), decode_phases=spec.get("decode_phases", 4))
+                         seed=spec.get("seed", 0),
+                         decode_phases=spec.get("decode_phases", DECODE_PHASES))
     if kind == "vllm":
         from rollout.vllm_engine import VllmEngine
 

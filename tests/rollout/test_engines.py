@@ -346,7 +346,10 @@ def test_phased_decode_equals_one_loop_over_the_whole_cache(setup, scan):
 
 
 def test_phase_ends_split_the_generation_into_whole_steps():
-    from rollout.jax_engine import phase_ends
+    from posttrain.config import RolloutSection
+    from rollout.jax_engine import DECODE_PHASES, phase_ends
+
+    assert RolloutSection().decode_phases == DECODE_PHASES  # one default for recipes and the API
 
     assert phase_ends(64, 4) == (16, 32, 48, 64) and phase_ends(64, 2) == (32, 64)
     assert phase_ends(64, 1) == (64,) and phase_ends(32, 4) == (16, 32)
