@@ -81,9 +81,8 @@ def _generate(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p
         cache = KVCache.init(model.cfg, u, tp + ends[0])
         pos = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (u, tp))
         seg = (pos < lens_b[:, None]).astype(jnp.int32)
-        x, cache, _ = model.hidden_states(tokens_bt, pos, seg, cache)
-        last_x = jnp.take_along_axis(x, (lens_b - 1)[:, None, None], axis=1)  # [U, 1, E]
-        last = model.logits_from_hidden(last_x)[:, 0]  # the LM head at the last tokens only
+        last, cache = model(tokens_bt, pos, seg, cache, head=lambda x, lm_head: lm_head(
+            jnp.take_along_axis(x, (lens_b - 1)[:, None, None], axis=1))[:, 0])  # last tokens only
     else:
         cache, last = _packed_prefill(model, packing, lens_b, tp + ends[0])
     cache, last, lens_b = cache.repeat(group), jnp.repeat(last, group, 0), jnp.repeat(lens_b, group)
@@ -155,7 +154,9 @@ def _packed_prefill(model, packing, lens_b, slots: int):
     tokens, row, offset = packing["tokens"], packing["row"], packing["offset"]
     r, t = tokens.shape
     packed = KVCache.init(model.cfg, r, t)
-    x, packed, _ = model.hidden_states(tokens, packing["positions"], packing["segments"], packed)
+    # each prompt's last logits: [U, V]
+    last, packed = model(tokens, packing["positions"], packing["segments"], packed,
+                         head=lambda x, lm_head: lm_head(x[row, offset + lens_b - 1]))
     j = jnp.arange(t, dtype=jnp.int32)
     src = jnp.minimum(offset[:, None] + j, t - 1)  # [U, T]: the packed slot of prompt i's token j
     valid = j[None, :] < lens_b[:, None]
@@ -177,9 +178,7 @@ def _packed_prefill(model, packing, lens_b, slots: int):
         v = jax.vmap(lambda b: unpack(b, 2))(packed.v)
     pos = jnp.pad(jnp.where(valid, j, 0), ((0, 0), (0, slots - t)))
     seg = jnp.pad(valid.astype(jnp.int32), ((0, 0), (0, slots - t)))
-    cache = KVCache(k, v, pos, seg, jnp.asarray(t, jnp.int32))
-    last_x = x[row, offset + lens_b - 1]  # [U, E]
-    return cache, model.logits_from_hidden(last_x[:, None])[:, 0]
+    return KVCache(k, v, pos, seg, jnp.asarray(t, jnp.int32)), last
 
 
 @partial(jax.jit, static_argnames=("graphdef",))

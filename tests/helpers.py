@@ -84,3 +84,19 @@ def assert_padded_logits_match(ref, ours, lengths: list[int], width: int, tol: f
     got = np.asarray(ours(jnp.asarray(ids, jnp.int32), segment_ids_bt=jnp.asarray(mask, jnp.int32)))
     for i, n in enumerate(lengths):
         np.testing.assert_allclose(got[i, :n], want[i, :n], atol=tol, rtol=0)
+
+
+def with_lora(model, int8_base: bool = False, modules: str = ".*(q_proj|v_proj|down_proj)"):
+    """`model` with rank-4 LoRA adapters (alpha 8; over an int8 base if asked), trained: B is
+    drawn non-zero, where a fresh adapter's zero B would make every path agree by accident."""
+    import jax
+    import jax.numpy as jnp
+    import qwix
+    from flax import nnx
+
+    provider = qwix.LoraProvider(module_path=modules, rank=4, alpha=8.0,
+                                 weight_qtype=jnp.int8 if int8_base else None)
+    policy = qwix.apply_lora_to_model(model, provider, jnp.zeros((1, 8), jnp.int32), rngs=nnx.Rngs(0))
+    for i, (_, var) in enumerate(nnx.to_flat_state(nnx.state(policy, nnx.LoRAParam))):
+        var[...] = 0.05 * jax.random.normal(jax.random.key(i), var[...].shape, var[...].dtype)
+    return policy

@@ -369,12 +369,13 @@ def policy_logits(model, batch, group_size: int):
     n = shared.shape[1]
     prefix = shared[::group_size]  # [B / G, S]: one row per group
     cache = KVCache.init(model.cfg, prefix.shape[0], t)
-    x_pre, cache, _ = model.hidden_states(prefix, pos[::group_size, :n], seg[::group_size, :n],
-                                          cache)
-    x_rows, _, _ = model.hidden_states(tokens[:, n:], pos[:, n:], seg[:, n:],
-                                       cache.repeat(group_size))
-    x = jnp.concatenate([jnp.repeat(x_pre, group_size, axis=0), x_rows], axis=1)
-    return model.logits_from_hidden(x), {}
+    # both passes through the model's call: LoRA / int8 apply only there (`CausalLM.__call__`)
+    x_pre, cache = model(prefix, pos[::group_size, :n], seg[::group_size, :n], cache,
+                         head=lambda x, _: x)
+    logits, _ = model(tokens[:, n:], pos[:, n:], seg[:, n:], cache.repeat(group_size),
+                      head=lambda x_rows, lm_head: lm_head(jnp.concatenate(
+                          [jnp.repeat(x_pre, group_size, axis=0), x_rows], axis=1)))
+    return logits, {}
 
 
 def trainer_logprobs(g, logits_btv, batch):

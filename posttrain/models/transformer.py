@@ -191,7 +191,7 @@ class CausalLM(nnx.Module):
                                       dtype=DTYPES[cfg.compute_dtype], rngs=rngs)
         self.cfg = cfg
 
-    def hidden_states(self, tokens_bt, positions_bt=None, segment_ids_bt=None, cache=None):
+    def _hidden_states(self, tokens_bt, positions_bt, segment_ids_bt, cache):
         b, t = tokens_bt.shape
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -199,7 +199,7 @@ class CausalLM(nnx.Module):
             segment_ids_bt = jnp.ones((b, t), jnp.int32)
         return self.model(tokens_bt, positions_bt, segment_ids_bt, cache)
 
-    def logits_from_hidden(self, x_bte):
+    def _lm_head(self, x_bte):
         x2 = x_bte.reshape(-1, x_bte.shape[-1])  # 2-D matmul: see layers.dense
         if self.cfg.tie_word_embeddings:
             y = self.model.embed_tokens.attend(x2)
@@ -207,14 +207,22 @@ class CausalLM(nnx.Module):
             y = self.lm_head(x2)
         return y.reshape(*x_bte.shape[:-1], y.shape[-1])
 
-    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, cache=None,
-                 with_router_losses: bool = False):
+    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, cache=None, *,
+                 with_router_losses: bool = False, head=None):
         """Logits; with a cache, (logits, cache); with `with_router_losses`, (logits, losses)
-        where losses holds the MoE router's load-balancing and z losses ({} for dense models)."""
-        x, cache, stats = self.hidden_states(tokens_bt, positions_bt, segment_ids_bt, cache)
-        logits = self.logits_from_hidden(x)
+        where losses holds the MoE router's load-balancing and z losses ({} for dense models).
+
+        `head`: a function `(x_bte, lm_head) -> out` that takes the place of the LM head over
+        every position, given the final hidden states and the head (`lm_head(x_...e)` -> logits):
+        the engine's prefill applies the head at each prompt's last token only, the GRPO loss
+        over hidden states it assembles from a shared prefix (`lambda x, _: x` returns the hidden
+        states). It runs inside this call, and everything must: qwix's LoRA and int8 wrap
+        `__call__` alone (their matmuls are intercepted in its dynamic extent), so a forward
+        pieced together from other methods would silently run without the adapters."""
+        x, cache, stats = self._hidden_states(tokens_bt, positions_bt, segment_ids_bt, cache)
+        out = self._lm_head(x) if head is None else head(x, self._lm_head)
         if with_router_losses:
             from posttrain.models.qwen3_moe import router_losses
 
-            return logits, router_losses(self.cfg, stats)
-        return logits if cache is None else (logits, cache)
+            return out, router_losses(self.cfg, stats)
+        return out if cache is None else (out, cache)

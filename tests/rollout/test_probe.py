@@ -14,7 +14,7 @@ from posttrain.models import from_pretrained
 from posttrain.train.step import TrainState, make_train_step, next_token_loss
 from rollout.jax_engine import JaxEngine, score_sequences
 from rollout.weight_sync import WeightSyncError, check_probe, hf_numpy, probe_sequences, push
-from tests.helpers import save_tiny_model_with_tokenizer
+from tests.helpers import save_tiny_model_with_tokenizer, with_lora
 
 
 @pytest.fixture(scope="module")
@@ -152,16 +152,8 @@ def test_lora_policy_reaches_an_hf_engine_as_effective_weights(models, int8_base
     """A LoRA policy (optionally over an int8 base) exported under HF names is the weight it
     computes with, W + (alpha / r) A B: an engine that loads it passes the probe against the
     LoRA trainer; one given the base weights alone (adapters dropped) is caught."""
-    import qwix
-
     d, _ = models
-    provider = qwix.LoraProvider(module_path=".*(q_proj|v_proj|down_proj)", rank=4, alpha=8.0,
-                                 weight_qtype=jnp.int8 if int8_base else None)
-    policy = qwix.apply_lora_to_model(from_pretrained(d, scan_layers=False), provider,
-                                      jnp.zeros((1, 8), jnp.int32), rngs=nnx.Rngs(0))
-    # trained adapters (B starts at zero, which would make the merge a no-op)
-    for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(policy, nnx.LoRAParam))):
-        var[...] = 0.05 * jax.random.normal(jax.random.key(i), var[...].shape, var[...].dtype)
+    policy = with_lora(from_pretrained(d, scan_layers=False), int8_base)
     state, cfg = nnx.state(policy), policy.cfg
     eng = JaxEngine(from_pretrained(d))
     eng.update_weights(hf_numpy(state, cfg, lora_scale=8.0 / 4), 1)

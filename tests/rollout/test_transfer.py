@@ -19,7 +19,7 @@ from rollout.jax_engine import JaxEngine
 from rollout.transfer import (ALIGN, Collective, Exporter, InProcess, ObjectStore, export_digest,
                               plan_buckets, unpack)
 from rollout.weight_sync import WeightSyncError, check_probe, hf_numpy, probe_sequences, push
-from tests.helpers import save_tiny_model_with_tokenizer
+from tests.helpers import save_tiny_model_with_tokenizer, with_lora
 
 BUCKET = 1 << 17  # 128 KiB: several buckets, and the embedding (256 KiB) travels alone
 LORA_SCALE = 8.0 / 4
@@ -32,17 +32,6 @@ def perturbed(model, seed):
         if jnp.issubdtype(v.dtype, jnp.floating):
             var[...] = v + 0.02 * jax.random.normal(jax.random.key(seed * 1000 + i), v.shape, v.dtype)
     return model
-
-
-def with_lora(model, int8_base):
-    import qwix
-
-    provider = qwix.LoraProvider(module_path=".*(q_proj|v_proj|down_proj)", rank=4, alpha=8.0,
-                                 weight_qtype=jnp.int8 if int8_base else None)
-    policy = qwix.apply_lora_to_model(model, provider, jnp.zeros((1, 8), jnp.int32), rngs=nnx.Rngs(0))
-    for i, (_, var) in enumerate(nnx.to_flat_state(nnx.state(policy, nnx.LoRAParam))):
-        var[...] = 0.05 * jax.random.normal(jax.random.key(i), var[...].shape, var[...].dtype)
-    return policy
 
 
 @pytest.fixture(scope="module")
