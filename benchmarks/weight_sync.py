@@ -21,7 +21,9 @@ Each (size, path, workers) runs in its own process; best of `reps` syncs after o
 Peak RSS (VmHWM) of the trainer and of each worker is reset after the warm-up (`clear_refs`), so
 it is the peak of the measured syncs, printed beside the model's bytes and the bucket size: the
 trainer's peak above its resident size before the syncs is what a sync costs it. Then the probe
-check that ends every pipeline sync (`rollout.weight_sync.check_probe`): seconds and gap.
+check that ends every pipeline sync (`rollout.weight_sync.check_probe`): seconds and gap, for the
+teacher-forced probe alone (`tf`, the probe before it covered the sampling path) and for the
+probe with its sampling path (`both`), alternating in the same process.
 """
 
 from __future__ import annotations
@@ -127,14 +129,20 @@ for v in range(2, reps + 2):
 stop.set(); sampler.join()
 trainer_peak = rss()["VmHWM"]
 worker_peak = max([rss(p)["VmHWM"] for p in pids], default=0)
-# the probe check that ends every sync in the pipeline (engine and trainer score 4 x 24 tokens)
+# the probe check that ends every sync in the pipeline: engine and trainer score 4 x 24 tokens
+# teacher-forced (the probe before the sampling path: "tf"), and the engine's sampling path
+# generates 24 x 32 tokens from the probe's prefixes, which the trainer re-scores ("both")
 from rollout.weight_sync import check_probe, probe_sequences
 probe = probe_sequences(model.cfg.vocab_size)
-check_probe([eng], model, probe, v)
-probe_best = 1e9
+probe_best, gap = {}, {}
+for kind in ("tf", "both"):
+    check_probe([eng], model, probe, v, sampling=kind == "both")  # compiles
+probe_best = {"tf": 1e9, "both": 1e9}
 for _ in range(reps):
-    t0 = time.perf_counter(); gap = check_probe([eng], model, probe, v)
-    probe_best = min(probe_best, time.perf_counter() - t0)
+    for kind in ("tf", "both"):  # alternating
+        t0 = time.perf_counter(); m = check_probe([eng], model, probe, v, sampling=kind == "both")
+        probe_best[kind] = min(probe_best[kind], time.perf_counter() - t0)
+        gap[kind] = max(m["sync/probe_gap"], m.get("sync/probe_sampled_gap", 0.0))
 print("@@" + json.dumps({"seconds": best, "params": int(n_params), "probe_seconds": probe_best,
                          "probe_gap": gap, "trainer_before": before, "trainer_peak": trainer_peak,
                          "worker_peak": worker_peak, "anon_before": anon_before,
@@ -171,7 +179,7 @@ def main():
           "shared memory it mapped (RssShmem: Ray's object store), the largest worker peak")
     print(f"{'model':<6}{'params':>13}{'path':>14}{'workers':>8}{'seconds':>9}{'GB/s':>7}"
           f"{'vs ray_put':>11}{'trainer':>12}{'private':>12}{'shared':>7}{'worker':>7}"
-          f"{'probe s':>9}{'probe gap':>10}")
+          f"{'probe s: tf':>12}{'both':>7}{'gap: tf':>9}{'both':>9}")
     for size in args.sizes.split(","):
         d = work / size
         save_tiny_model_with_tokenizer(d, "qwen3", **SIZES[size])
@@ -189,7 +197,8 @@ def main():
                 wk = f"{res['worker_peak'] / gib:.2f}" if res["worker_peak"] else "-"
                 print(f"{size:<6}{res['params']:>13,}{path:>14}{workers:>8}{res['seconds']:>9.3f}"
                       f"{gbs:>7.2f}{ratio:>11}{mem:>12}{anon:>12}{res['shmem_peak'] / gib:>7.2f}"
-                      f"{wk:>7}{res['probe_seconds']:>9.3f}{res['probe_gap']:>10.1e}", flush=True)
+                      f"{wk:>7}{res['probe_seconds']['tf']:>12.3f}{res['probe_seconds']['both']:>7.3f}"
+                      f"{res['probe_gap']['tf']:>9.1e}{res['probe_gap']['both']:>9.1e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -297,8 +297,10 @@ class RolloutSection(Strict):
     enable_expert_parallel: bool = Field(False, description="vLLM: experts of MoE models over "
                                          "the tensor-parallel ranks instead of sliced")
     probe: bool = Field(True, description="after every weight sync each engine scores a fixed "
-                        "probe; a log-prob gap to the trainer beyond the engine's tolerance "
-                        "stops the run (stale or wrong weights)")
+                        "probe teacher-forced and samples from its prefixes through its own "
+                        "prefill + cached decode; a log-prob gap to the trainer's scores beyond "
+                        "the engine's tolerance stops the run (stale or wrong weights, a fault "
+                        "in the sampling path)")
     transport: Literal["auto", "in_process", "object_store", "collective", "vllm_ipc",
                        "vllm_nccl"] = Field(
         "auto", description="how weights reach the engines: in_process (colocated, the engine's "

@@ -66,11 +66,8 @@ def sync_engine(engine, trainer, model_cfg, version: int, sleep_level: int, sync
     engine.wake_up(["weights"])
     sync = push([engine], trainer, model_cfg, version, **{**sync_opts, "probe": None})
     engine.wake_up(["kv_cache"])
-    t0 = time.perf_counter()
     scorer = sync_opts.get("model") or trainer.score
-    sync["sync/probe_gap"] = check_probe([engine], scorer, sync_opts["probe"], version)
-    sync["sync/probe_seconds"] = time.perf_counter() - t0
-    return sync
+    return sync | check_probe([engine], scorer, sync_opts["probe"], version)
 
 
 def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:

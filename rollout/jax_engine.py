@@ -383,8 +383,10 @@ class JaxEngine:
         stop = sorted(set(() if params.ignore_eos else self.eos) | set(params.stop_token_ids))
         stop_ids = np.full((bucket_pow2(len(stop), 4),), -1, np.int32)
         stop_ids[: len(stop)] = stop
-        seed = params.seed if params.seed is not None else self._seed * 1_000_003 + self._calls
-        self._calls += 1
+        seed = params.seed
+        if seed is None:  # a seeded request (the probe's) leaves the unseeded stream as it was
+            seed = self._seed * 1_000_003 + self._calls
+            self._calls += 1
         packing = pack_prompts(prompts, u, tp) if self.pack_prefill else None
         out_t, out_lp, out_k, n = jax.device_get(_generate(
             self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(lens), jax.random.key(seed),

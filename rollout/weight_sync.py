@@ -8,14 +8,21 @@ checkpoints can take them, bucket by bucket over a transport (`rollout.transfer`
   broadcast from the trainer's process (`rollout.transport`);
 - vLLM in processes of its own (GPUs): vLLM's weight-transfer engines, CUDA IPC when colocated,
   NCCL to Ray workers (`rollout.vllm_transfer`).
-Every engine confirms the version it now serves, and then proves it serves the trainer's weights:
-it scores a fixed probe (a few token sequences, teacher-forced) and the trainer compares those
-log-probs with its own (`check_probe`). A gap beyond the engine's tolerance (fp32: 1e-4 JAX,
-1e-3 vLLM; bf16: 5e-2 JAX, 1e-1 vLLM) stops the run with `WeightSyncError` naming the engine:
-an engine that kept old weights, loaded a tensor wrong or dropped one would otherwise look like
-a slow learner. The probe is scored under the full softmax at temperature 1 whatever the run's
-log-prob semantics: it checks weights, not sampling. Bytes, seconds, GB/s and the probe gap go
-to the metrics.
+Every engine confirms the version it now serves, and then proves it serves the trainer's weights
+with a fixed probe (`check_probe`), in two ways:
+- teacher-forced: it scores a few token sequences with a full forward pass;
+- through its sampling path: it generates from prefixes of those sequences exactly as a rollout
+  does (prefill, plain and packed on the JAX engine; the KV cache repeated for n samples; the
+  cached decode over a growing cache; its sampler's log-probs), and the trainer re-scores what
+  it sampled. A fault confined to that path (adapters skipped in the prefill, a stale KV-cache
+  layout, a sampler that scores other logits) passes a teacher-forced check and would make the
+  run sample from another policy than the one it trains.
+A gap beyond the engine's tolerance (fp32: 1e-4 JAX, 1e-3 vLLM; bf16: 5e-2 JAX, 1e-1 vLLM)
+stops the run with `WeightSyncError` naming the engine and the path: an engine that kept old
+weights, loaded a tensor wrong or dropped one would otherwise look like a slow learner. The
+probe samples at temperature 1 from the full softmax whatever the run's sampling settings: it
+checks weights and the forward the engine runs, not the run's truncation. Bytes, seconds, GB/s
+and the probe gap go to the metrics.
 """
 
 from __future__ import annotations
@@ -63,33 +70,94 @@ def probe_gap(got: list[list[float]], want: list[list[float]]) -> float:
     return max(float(np.max(np.abs(np.asarray(g) - np.asarray(w)))) for g, w in zip(got, want))
 
 
-def _engine_scores(eng, sequences):
+# The sampling probe: prefixes of the probe sequences, generated from at temperature 1 with the
+# full-softmax log-probs (what the trainer's re-score computes). The JAX engine has two
+# prefills, so syncs alternate between two requests (each path is checked at least every
+# second sync, at half the cost of both every time): at even versions a few prompts sampled
+# twice each (the plain prefill, its cache repeated per sample; 32 new tokens decode in two
+# phases over a cache grown in between, `rollout.jax_engine.phase_ends`), at odd versions many
+# short prompts once each (packed several to a row).
+PROBE_NEW_TOKENS = 32
+
+
+def sampling_request(sequences: list[list[int]], version: int) -> tuple[list[list[int]], "SamplingParams"]:
+    from rollout.engine import SamplingParams
+
+    sp = dict(temperature=1.0, ignore_eos=True, logprobs="full", seed=0x9E0BE + version)
+    if version % 2 == 0:
+        return ([s[:8 + 2 * i] for i, s in enumerate(sequences)],
+                SamplingParams(n=2, max_tokens=PROBE_NEW_TOKENS, **sp))
+    return ([s[:k] for s in sequences for k in (3, 5, 7, 9)],
+            SamplingParams(n=1, max_tokens=PROBE_NEW_TOKENS // 2, **sp))
+
+
+def engine_probe(eng, sequences: list[list[int]], version: int, sampling: bool = True) -> dict:
+    """One engine's answer to the probe of `version`, in the engine's process: its tolerance,
+    its teacher-forced scores, and (with `sampling`) what its sampling path generated."""
+    out = {"tolerance": eng.probe_tolerance, "scores": eng.score(sequences), "sampled": []}
+    if sampling:
+        out["sampled"] = eng.generate(*sampling_request(sequences, version))
+    return out
+
+
+def _engine_probes(eng, sequences, version: int, sampling: bool) -> list[tuple[str, dict]]:
     from rollout.worker import WorkerGroup
 
     if isinstance(eng, WorkerGroup):
-        return eng.scores(sequences)
-    return [(f"{type(eng).__name__} (in process)", eng.probe_tolerance, eng.score(sequences))]
+        return eng.probes(sequences, version, sampling)
+    return [(f"{type(eng).__name__} (in process)", engine_probe(eng, sequences, version, sampling))]
 
 
-def check_probe(engines, model, sequences: list[list[int]], version: int) -> float:
-    """Every engine scores the probe; the trainer scores it with its own code (`model`: the
-    policy, or a function sequences -> log-probs such as `Trainer.score`). Returns the largest
-    gap; raises `WeightSyncError` naming the first engine beyond its tolerance."""
+def sampled_gap(rollouts, rescored: list[list[float]]) -> float:
+    """Largest |engine - trainer| log-prob over sampled tokens (NaN if either side has one);
+    `rescored[i]` holds the trainer's scores of rollout i's prompt + completion."""
+    gaps = [np.max(np.abs(np.asarray(o.logprobs) - np.asarray(w[len(o.prompt_token_ids) - 1:])))
+            for o, w in zip(rollouts, rescored)]
+    return float(max(gaps, default=0.0))
+
+
+def check_probe(engines, model, sequences: list[list[int]], version: int,
+                sampling: bool = True) -> dict[str, float]:
+    """Every engine answers the probe (`engine_probe`); the trainer scores the probe and every
+    sampled sequence with its own code (`model`: the policy, or a function sequences ->
+    log-probs such as `Trainer.score`). Returns the largest gap of each kind over
+    the engines (`sync/probe_gap`: teacher-forced; `sync/probe_sampled_gap`: the sampling path)
+    and the seconds it took; raises `WeightSyncError` naming the first engine and path beyond
+    its tolerance. Without `sampling`, the teacher-forced check alone (the probe before the
+    sampling path was added)."""
+    t0 = time.perf_counter()
     from rollout.jax_engine import score_sequences
 
-    want = (score_sequences(model, sequences) if isinstance(model, nnx.Module)
-            else model(sequences))
-    worst = 0.0
-    for eng in engines:
-        for name, tol, got in _engine_scores(eng, sequences):
-            gap = probe_gap(got, want)
-            if not gap <= tol:  # NaN fails too
-                raise WeightSyncError(
-                    f"{name} does not serve the trainer's weights after the sync to version "
-                    f"{version}: probe log-prob gap {gap:.3g} > tolerance {tol:g} (stale, partial "
-                    "or wrongly converted weights)")
-            worst = max(worst, gap)
-    return worst
+    def trainer_scores(seqs):
+        return score_sequences(model, seqs) if isinstance(model, nnx.Module) else model(seqs)
+
+    answers = [a for eng in engines for a in _engine_probes(eng, sequences, version, sampling)]
+    want = trainer_scores(sequences)  # in the shapes the engines' scores have: bitwise equal
+    sampled = [o for _, a in answers for o in a["sampled"]]
+    rescored = iter(trainer_scores([o.prompt_token_ids + o.token_ids for o in sampled])
+                    if sampled else [])
+    worst, worst_sampled = 0.0, 0.0
+    for name, a in answers:
+        tol = a["tolerance"]
+        gap = probe_gap(a["scores"], want)
+        if not gap <= tol:  # NaN fails too
+            raise WeightSyncError(
+                f"{name} does not serve the trainer's weights after the sync to version "
+                f"{version}: probe log-prob gap {gap:.3g} > tolerance {tol:g} (stale, partial "
+                "or wrongly converted weights)")
+        s_gap = sampled_gap(a["sampled"], [next(rescored) for _ in a["sampled"]])
+        if not s_gap <= tol:
+            raise WeightSyncError(
+                f"{name} samples from another policy than the trainer's after the sync to "
+                f"version {version}: the log-probs of its sampling path (prefill + cached "
+                f"decode) are {s_gap:.3g} from the trainer's re-score > tolerance {tol:g}, "
+                f"while its teacher-forced probe gap is {gap:.3g} (a fault in the prefill, the "
+                "KV cache or the sampler)")
+        worst, worst_sampled = max(worst, gap), max(worst_sampled, s_gap)
+    out = {"sync/probe_gap": worst, "sync/probe_seconds": time.perf_counter() - t0}
+    if sampling:
+        out["sync/probe_sampled_gap"] = worst_sampled
+    return out
 
 
 def push(engines, state, cfg: ModelConfig, version: int, *, probe=None,
@@ -146,7 +214,5 @@ def push(engines, state, cfg: ModelConfig, version: int, *, probe=None,
     out = {"sync/bytes": nbytes, "sync/seconds": seconds, "sync/gbps": nbytes / seconds / 1e9,
            "sync/version": float(version), "sync/buckets": buckets}
     if probe is not None:
-        t0 = time.perf_counter()
-        out["sync/probe_gap"] = check_probe(engines, model, probe, version)
-        out["sync/probe_seconds"] = time.perf_counter() - t0
+        out.update(check_probe(engines, model, probe, version))
     return out

@@ -61,11 +61,10 @@ class RolloutWorker:
     def version(self) -> int:
         return self.engine.version
 
-    def score(self, sequences) -> list[list[float]]:
-        return self.engine.score(sequences)
+    def probe(self, sequences, version: int, sampling: bool = True) -> dict:
+        from rollout.weight_sync import engine_probe
 
-    def probe_tolerance(self) -> float:
-        return self.engine.probe_tolerance
+        return engine_probe(self.engine, sequences, version, sampling)
 
     def pid(self) -> int:
         return os.getpid()
@@ -150,13 +149,12 @@ class WorkerGroup:
     def versions(self) -> list[int]:
         return ray.get([w.version.remote() for w in self.workers])
 
-    def scores(self, sequences) -> list[tuple[str, float, list[list[float]]]]:
-        """Every serving worker's probe scores: (name, tolerance, scores) per worker."""
+    def probes(self, sequences, version: int, sampling: bool = True) -> list[tuple[str, dict]]:
+        """Every serving worker's answer to the probe (`rollout.weight_sync.engine_probe`), by
+        name."""
         live = [i for i in range(len(self.workers)) if i not in self.stale]
-        tols = ray.get([self.workers[i].probe_tolerance.remote() for i in live])
-        got = ray.get([self.workers[i].score.remote(sequences) for i in live])
-        return [(f"rollout worker {i} ({self.spec['kind']})", t, g)
-                for i, t, g in zip(live, tols, got)]
+        got = ray.get([self.workers[i].probe.remote(sequences, version, sampling) for i in live])
+        return [(f"rollout worker {i} ({self.spec['kind']})", g) for i, g in zip(live, got)]
 
     # ---- what the transports call ----
     def members(self) -> tuple:

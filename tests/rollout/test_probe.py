@@ -49,8 +49,10 @@ def test_synced_engine_passes_and_a_stale_one_is_named(models):
     with pytest.raises(WeightSyncError, match=r"JaxEngine .* version 0: probe log-prob gap"):
         check_probe([eng], trained, PROBE, 0)  # still the saved weights
     m = push([eng], nnx.state(trained), trained.cfg, 1, probe=PROBE, model=trained)
-    # same model code on both sides and the same weights: the scores are bitwise equal
+    # same model code on both sides and the same weights: the scores are bitwise equal; the
+    # sampling path (prefill + cached decode) computes the same in other shapes (fp32 order)
     assert m["sync/probe_gap"] == 0.0 and m["sync/gbps"] > 0
+    assert m["sync/probe_sampled_gap"] <= 1e-4
 
 
 def _hf_with(trained, edit):
@@ -97,7 +99,7 @@ def test_ray_workers_prove_their_weights(models):
     group = WorkerGroup({"kind": "jax", "model_dir": str(d), "scan_layers": True}, 2)
     try:
         m = push([group], nnx.state(trained), trained.cfg, 1, probe=PROBE, model=trained)
-        assert m["sync/probe_gap"] <= 1e-4
+        assert m["sync/probe_gap"] <= 1e-4 and m["sync/probe_sampled_gap"] <= 1e-4
         # worker 1 loads a wrong tensor; worker 0 the right weights
         ray.get(group.workers[1].update_weights.remote(
             _hf_with(trained, wrong_layout), 1))
@@ -147,6 +149,24 @@ def test_grpo_run_with_a_stale_engine_stops_on_the_first_step(tmp_path, monkeypa
     assert not (tmp_path / "stale" / "checkpoints" / "1").exists()  # nothing trained on stale rollouts
 
 
+def test_grpo_run_whose_engine_samples_without_the_adapters_stops_on_the_first_sync(
+        tmp_path, monkeypatch):
+    """A LoRA GRPO run on the colocated JAX engine whose sampling path skips the adapters (the
+    fault its prefill had): the teacher-forced probe passes every sync, the sampling probe stops
+    the run at the first sync after the adapters moved (version 1: they start at B = 0),
+    naming the engine, before any checkpoint of a policy trained on such rollouts."""
+    from posttrain.pipeline import run_grpo
+
+    cfg = config(tmp_path)
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={
+        "lora": cfg.model.lora.model_copy(update={"rank": 4, "alpha": 8.0})})})
+    break_the_decode(monkeypatch)
+    with pytest.raises(WeightSyncError, match=r"JaxEngine \(in process\) samples from another "
+                                              r"policy than the trainer's after the sync to version 1"):
+        run_grpo(cfg, tmp_path)
+    assert not (tmp_path / "checkpoints" / "1").exists()
+
+
 @pytest.mark.parametrize("int8_base", [False, True])
 def test_lora_policy_reaches_an_hf_engine_as_effective_weights(models, int8_base):
     """A LoRA policy (optionally over an int8 base) exported under HF names is the weight it
@@ -157,13 +177,61 @@ def test_lora_policy_reaches_an_hf_engine_as_effective_weights(models, int8_base
     state, cfg = nnx.state(policy), policy.cfg
     eng = JaxEngine(from_pretrained(d))
     eng.update_weights(hf_numpy(state, cfg, lora_scale=8.0 / 4), 1)
-    assert check_probe([eng], policy, PROBE, 1) <= 1e-4
+    m = check_probe([eng], policy, PROBE, 1)
+    assert m["sync/probe_gap"] <= 1e-4 and m["sync/probe_sampled_gap"] <= 1e-4
     with pytest.raises(ValueError, match="lora_scale"):
         hf_numpy(state, cfg)
     if not int8_base:  # the adapters left out: the base weights alone
         eng.update_weights(hf_numpy(nnx.state(from_pretrained(d, scan_layers=False)), cfg), 2)
         with pytest.raises(WeightSyncError, match="version 2"):
             check_probe([eng], policy, PROBE, 2)
+
+
+def without_adapters(state: nnx.State, graphdef) -> nnx.State:
+    """`state` with every LoRA adapter zeroed: the base model's weights alone."""
+    model = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))  # new variables, same arrays
+    for _, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
+        var[...] = jnp.zeros_like(var[...])
+    return nnx.state(model)
+
+
+def break_the_decode(monkeypatch):
+    """A fault confined to the JAX engine's sampling path: generation runs without the LoRA
+    adapters (what the prefill did when it ran outside the model's call), while the engine's
+    teacher-forced score still has them."""
+    from rollout import jax_engine
+
+    real = jax_engine._generate
+    monkeypatch.setattr(jax_engine, "_generate", lambda graphdef, state, *a, **k: real(
+        graphdef, without_adapters(state, graphdef), *a, **k))
+
+
+@pytest.mark.parametrize("int8_base", [False, True])
+def test_colocated_lora_engine_samples_from_the_trainers_policy(models, int8_base):
+    """The colocated JAX engine runs the trainer's LoRA modules (adapters trained: B != 0): the
+    log-probs of what it samples (plain and packed prefill, repeated cache, phased decode) equal
+    the trainer's re-score at fp32 level. Before the prefill went through the model's call it
+    ran without the adapters (gap 0.27; an int8 base crashed)."""
+    d, _ = models
+    policy = with_lora(from_pretrained(d, scan_layers=False), int8_base)
+    eng = JaxEngine(policy)
+    for version in (0, 1):  # the plain prefill and the packed one (`sampling_request`)
+        m = check_probe([eng], policy, PROBE, version)
+        assert m["sync/probe_gap"] == 0.0 and m["sync/probe_sampled_gap"] <= 1e-4
+
+
+def test_a_decode_path_fault_passes_the_teacher_forced_probe_and_is_caught(models, monkeypatch):
+    d, _ = models
+    policy = with_lora(from_pretrained(d, scan_layers=False))
+    eng = JaxEngine(policy)
+    break_the_decode(monkeypatch)
+    for version in (2, 3):  # the plain prefill and the packed one
+        # the probe before the sampling path: scores teacher-forced only, sees nothing wrong
+        assert check_probe([eng], policy, PROBE, version, sampling=False)["sync/probe_gap"] == 0.0
+        with pytest.raises(WeightSyncError, match=r"JaxEngine \(in process\) samples from another "
+                                                  r"policy than the trainer's after the sync to "
+                                                  f"version {version}"):
+            check_probe([eng], policy, PROBE, version)
 
 
 class LevelTwoSleeper(JaxEngine):
