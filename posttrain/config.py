@@ -56,13 +56,18 @@ class ModelSection(Strict):
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     quantization: Literal["none", "int8"] = "none"
+    head_chunk_tokens: int = Field(0, ge=0, description="the loss computes the logits of this "
+                                   "many tokens at a time, never [tokens, vocab] whole (the "
+                                   "backward recomputes each chunk); 0: as many as keep one "
+                                   "chunk's f32 logits within 1 GiB")
     lora: LoraConfig = LoraConfig()
 
     def switches(self) -> dict:
         """The implementation switches a ModelConfig takes from the recipe. LoRA needs unrolled
         layers (qwix attaches adapters to each layer object on first call)."""
         return {"scan_layers": self.scan_layers and not self.lora.rank, "remat": self.remat,
-                "param_dtype": self.param_dtype, "compute_dtype": self.compute_dtype}
+                "param_dtype": self.param_dtype, "compute_dtype": self.compute_dtype,
+                "head_chunk_tokens": self.head_chunk_tokens}
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSection":

@@ -59,3 +59,16 @@ def test_dry_run_runs_every_part_and_writes_the_results(tmp_path):
     assert par["bfloat16"]["argmax_agree"] >= 0.9
     for p in gpu.PARTS:
         assert json.loads((tmp_path / f"{p}.json").read_text())
+
+
+def test_tpu_train_step_dry_run_writes_its_table(tmp_path):
+    """`benchmarks/tpu/train_step.py` (run on the TPU machine) stays runnable: its CPU dry run
+    trains a tiny model through the same code, with the LM head in chunks, and writes JSON."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    r = subprocess.run([sys.executable, "-m", "benchmarks.tpu.train_step", "--dry-run",
+                        "--head-chunk", "32", "--out", str(tmp_path)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "train_step.json").read_text())
+    (run,) = res["runs"]
+    assert run["head_chunk_positions"] == 16 and run["tokens_per_s"] > 0 and run["loss"] > 0

@@ -54,6 +54,9 @@ class ModelConfig(BaseModel):
     remat: Literal["none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_out_proj"] = "none"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    head_chunk_tokens: int = Field(0, ge=0, description="tokens whose logits the loss computes "
+                                   "at once (`posttrain.train.step.head_chunk`); 0: chosen from "
+                                   "the vocabulary size")
     moe_impl: Literal["ragged", "dense"] = Field(
         "ragged", description="ragged: tokens sorted by expert, grouped matmul (ragged_dot); "
         "dense: every expert on every token, weighted (tiny models, tests)")

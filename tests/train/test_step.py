@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from posttrain.models import build_model
@@ -32,3 +33,53 @@ def test_grad_accumulation_equals_full_batch():
     for a, b in zip(jax.tree.leaves(acc.params), jax.tree.leaves(full.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
     assert int(acc.step) == 1
+
+
+def _loss_and_grads(cfg, b):
+    model = build_model(cfg, seed=0)
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def f(p):
+        s, n, _ = next_token_loss(nnx.merge(graphdef, p), b)
+        return s / n
+
+    return jax.value_and_grad(f)(params), graphdef, params
+
+
+@pytest.mark.parametrize("chunk_tokens,tie", [(16, True), (40, False)])
+def test_chunked_head_equals_the_whole_head(chunk_tokens, tie):
+    """The loss over the LM head in chunks (8 or 20 positions of 2 rows at a time; 37 positions
+    leave a ragged last chunk, padded) equals the loss over the whole [B, T, V] logits, and so
+    do its gradients (tied embedding and separate head): fp32, the same arithmetic in other
+    shapes, so agreement to summation order (~1e-6 relative)."""
+    b = {k: jnp.asarray(v[:2, :37]) for k, v in batch(b=8, t=40).items()}
+    base = CFG.model_copy(update={"tie_word_embeddings": tie})
+    (l_whole, g_whole), _, _ = _loss_and_grads(base.model_copy(update={"head_chunk_tokens": 10**6}), b)
+    (l_chunk, g_chunk), _, _ = _loss_and_grads(base.model_copy(update={"head_chunk_tokens": chunk_tokens}), b)
+    np.testing.assert_allclose(float(l_chunk), float(l_whole), rtol=1e-6)
+    for (path, a), (_, w) in zip(nnx.to_flat_state(g_chunk), nnx.to_flat_state(g_whole)):
+        a, w = np.asarray(a[...]), np.asarray(w[...])
+        assert np.linalg.norm(a - w) <= 1e-5 * np.linalg.norm(w) + 1e-9, path
+
+
+def test_chunked_head_never_holds_the_whole_logits():
+    """No array of the loss's forward or backward has B x T x V elements: the [B, T, V] logits
+    (the 10 GB that put a 0.6B model's 16k-token step out of a TPU's memory) are never whole."""
+    b = {k: jnp.asarray(v[:2]) for k, v in batch(b=8, t=96).items()}
+    # 16 positions of 2 rows at a time; a vocabulary big enough that the logits would be the
+    # largest array (as they are in real models)
+    cfg = CFG.model_copy(update={"head_chunk_tokens": 32, "vocab_size": 4096})
+    model = build_model(cfg, seed=0)
+    graphdef, params = nnx.split(model, nnx.Param)
+    grad = jax.grad(lambda p: next_token_loss(nnx.merge(graphdef, p), b)[0])
+    whole = 2 * 96 * cfg.vocab_size  # more than the embedding's [V, E] (its gradient)
+
+    def sizes(jaxpr):
+        for eqn in jaxpr.eqns:
+            for v in eqn.outvars:
+                yield int(np.prod(getattr(v.aval, "shape", ())))
+            for sub in jax.core.jaxprs_in_params(eqn.params):
+                yield from sizes(sub)
+
+    assert max(sizes(jax.make_jaxpr(grad)(params).jaxpr)) < whole
+    assert max(sizes(jax.make_jaxpr(lambda p: model(b["tokens"]))(params).jaxpr)) >= whole  # control

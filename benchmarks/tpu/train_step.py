@@ -1,0 +1,178 @@
+"""The SFT / pretraining step on an accelerator: tokens/s, MFU, peak memory, compile seconds.
+
+    python -m benchmarks.tpu.train_step [--configs 0.6b:2x2048,0.6b:8x2048] [--steps 10] [--out DIR]
+
+On the TPU machine (see ../shared/TPU.md), after `source .whl-tpu/setup.sh`, with `--out $OUT`.
+Each configuration runs in a process of its own (one process holds the chip at a time, and a
+configuration that runs out of memory must not take the others with it): a random model of
+the named shape (f32 master weights, bf16 compute, scanned layers, remat full, AdamW) trained by
+the trainer's own `make_train_step` with the next-token loss (`posttrain.train.step`, its LM
+head in chunks: `model.head_chunk_tokens`, 0 = auto; `--head-chunk 1000000` runs the whole
+head, the code before chunking). The measured bf16 matmul peak (8192^3) is printed beside the
+chip's nominal one.
+
+MFU convention: 6 x (every matmul parameter, the LM head included; the embedding lookup not) per
+token, plus causal attention at half: 6 x L x T x (heads x head_dim) per token (2 x 2 matmuls
+of T x T x d each, forward and backward at 3x, halved for the mask). Against 197 TFLOP/s
+(v5e bf16 peak). On CPU (`--dry-run`: tiny shapes) the same code runs in seconds: the test
+suite runs it so the command stays working.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SHAPES = {  # ModelConfig presets, or explicit tiny shapes for the CPU dry run
+    "0.6b": "qwen3_0_6b",
+    "llama1b": "llama3_2_1b",
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=32),
+}
+PEAK_TFLOPS = {"tpu": 197.0}  # TPU v5e, bf16 dense
+
+
+def model_config(shape: str, head_chunk: int, remat: str):
+    from posttrain.models.config import ModelConfig
+
+    sw = dict(scan_layers=True, remat=remat, param_dtype="float32", compute_dtype="bfloat16",
+              head_chunk_tokens=head_chunk)
+    spec = SHAPES[shape]
+    if isinstance(spec, str):
+        return ModelConfig.preset(spec, **sw)
+    return ModelConfig(**spec, **sw)
+
+
+def flops_per_token(cfg, n_matmul_params: int, seq: int) -> float:
+    attn = 6 * cfg.num_hidden_layers * seq * cfg.num_attention_heads * cfg.head_dim
+    return 6 * n_matmul_params + attn
+
+
+def matmul_peak() -> float:
+    """Measured bf16 TFLOP/s of an 8192^3 matmul (2048^3 on CPU)."""
+    import jax
+    import jax.numpy as jnp
+
+    n = 8192 if jax.default_backend() != "cpu" else 1024
+    a = jnp.ones((n, n), jnp.bfloat16)
+    f = jax.jit(lambda a, b: a @ b)
+    f(a, a).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        out = f(a, a)
+    out.block_until_ready()
+    return 2 * n ** 3 * 10 / (time.perf_counter() - t0) / 1e12
+
+
+def run_one(shape: str, batch: int, seq: int, steps: int, head_chunk: int, remat: str) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    from posttrain.models import CausalLM
+    from posttrain.train.step import TrainState, head_chunk as chunk_of, make_train_step, \
+        next_token_loss
+
+    cfg = model_config(shape, head_chunk, remat)
+    abstract = nnx.eval_shape(lambda: CausalLM(cfg, nnx.Rngs(0)))
+    whole = jax.jit(lambda: nnx.state(CausalLM(cfg, nnx.Rngs(0))))()  # made on the device
+    graphdef, params, rest = nnx.split(nnx.merge(nnx.graphdef(abstract), whole), nnx.Param, ...)
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    n_matmul = n_params - sum(x.size for p, x in jax.tree_util.tree_leaves_with_path(params)
+                              if "norm" in jax.tree_util.keystr(p))
+    if not cfg.tie_word_embeddings:  # the embedding lookup is no matmul; a tied one is the head
+        n_matmul -= cfg.vocab_size * cfg.hidden_size
+    opt = optax.adamw(1e-4)
+    state = TrainState(params, rest, opt.init(params), jnp.zeros((), jnp.int32),
+                       jax.random.key_data(jax.random.key(0)))
+    rng = np.random.default_rng(0)
+    tok = rng.integers(0, cfg.vocab_size, (batch, seq)).astype(np.int32)
+    data = {"tokens": tok, "targets": np.roll(tok, -1, 1),
+            "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy(),
+            "segment_ids": np.ones((batch, seq), np.int32),
+            "loss_mask": np.ones((batch, seq), np.float32)}
+    data = jax.tree.map(jnp.asarray, data)
+    step = jax.jit(make_train_step(graphdef, opt, next_token_loss), donate_argnums=0)
+    t0 = time.perf_counter()
+    compiled = step.lower(state, data).compile()
+    compile_s = time.perf_counter() - t0
+    state, m = compiled(state, data)
+    jax.block_until_ready(m)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, m = compiled(state, data)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t0)
+    dt = float(np.median(times))
+    tps = batch * seq / dt
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() or {}
+    peak = PEAK_TFLOPS.get(jax.default_backend())
+    flops = flops_per_token(cfg, n_matmul, seq) * tps
+    return {"shape": shape, "batch": batch, "seq": seq, "tokens_per_step": batch * seq,
+            "head_chunk_positions": chunk_of(cfg, batch, seq), "remat": remat,
+            "params": int(n_params), "step_s": dt, "tokens_per_s": tps,
+            "tflops": flops / 1e12, "mfu": flops / (peak * 1e12) if peak else None,
+            "peak_bytes": stats.get("peak_bytes_in_use"), "compile_s": compile_s,
+            "loss": float(m["loss"]) if "loss" in m else None, "device": str(dev.device_kind)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default="0.6b:2x2048,0.6b:4x2048,0.6b:8x2048")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--head-chunk", type=int, default=0)
+    ap.add_argument("--remat", default="full")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (the test suite)")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one configuration
+    args = ap.parse_args()
+    if args.one == "peak":
+        print("@@" + json.dumps(matmul_peak()))
+        return
+    if args.one:
+        shape, bs = args.one.split(":")
+        b, t = map(int, bs.split("x"))
+        print("@@" + json.dumps(run_one(shape, b, t, args.steps, args.head_chunk, args.remat)))
+        return
+    configs = "tiny:2x64" if args.dry_run else args.configs
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    def child(one: str):  # this process never opens the chip: one process at a time holds it
+        return subprocess.run([sys.executable, "-m", "benchmarks.tpu.train_step", "--one", one,
+                               "--steps", str(2 if args.dry_run else args.steps),
+                               "--head-chunk", str(args.head_chunk), "--remat", args.remat],
+                              cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+
+    r = child("peak")
+    peak = json.loads(r.stdout.split("@@")[-1]) if "@@" in r.stdout else None
+    print(f"measured bf16 matmul peak {peak} TFLOP/s", flush=True)
+    results = {"measured_bf16_peak_tflops": peak, "runs": []}
+    for c in configs.split(","):
+        r = child(c)
+        if r.returncode or "@@" not in r.stdout:
+            tail = (r.stderr or r.stdout)[-600:]
+            res = {"config": c, "error": "out of memory" if "RESOURCE_EXHAUSTED" in tail
+                   or "Out of memory" in tail else tail}
+        else:
+            res = json.loads(r.stdout.split("@@")[-1])
+        results["runs"].append(res)
+        print(json.dumps(res), flush=True)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "train_step.json").write_text(json.dumps(results, indent=1))
+    if any("error" in r for r in results["runs"]) and args.dry_run:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
