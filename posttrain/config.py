@@ -56,6 +56,9 @@ class ModelSection(Strict):
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     quantization: Literal["none", "int8"] = "none"
+    attention: Literal["auto", "xla", "splash"] = Field(
+        "auto", description="auto: Pallas splash attention on a single TPU device for training "
+        "and scoring, XLA's formulation elsewhere and in decode")
     head_chunk_tokens: int = Field(0, ge=0, description="the loss computes the logits of this "
                                    "many tokens at a time, never [tokens, vocab] whole (the "
                                    "backward recomputes each chunk); 0: as many as keep one "
@@ -67,7 +70,7 @@ class ModelSection(Strict):
         layers (qwix attaches adapters to each layer object on first call)."""
         return {"scan_layers": self.scan_layers and not self.lora.rank, "remat": self.remat,
                 "param_dtype": self.param_dtype, "compute_dtype": self.compute_dtype,
-                "head_chunk_tokens": self.head_chunk_tokens}
+                "head_chunk_tokens": self.head_chunk_tokens, "attention": self.attention}
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSection":

@@ -38,11 +38,11 @@ SHAPES = {  # ModelConfig presets, or explicit tiny shapes for the CPU dry run
 PEAK_TFLOPS = {"tpu": 197.0}  # TPU v5e, bf16 dense
 
 
-def model_config(shape: str, head_chunk: int, remat: str):
+def model_config(shape: str, head_chunk: int, remat: str, attention: str = "auto"):
     from posttrain.models.config import ModelConfig
 
     sw = dict(scan_layers=True, remat=remat, param_dtype="float32", compute_dtype="bfloat16",
-              head_chunk_tokens=head_chunk)
+              head_chunk_tokens=head_chunk, attention=attention)
     spec = SHAPES[shape]
     if isinstance(spec, str):
         return ModelConfig.preset(spec, **sw)
@@ -70,7 +70,8 @@ def matmul_peak() -> float:
     return 2 * n ** 3 * 10 / (time.perf_counter() - t0) / 1e12
 
 
-def run_one(shape: str, batch: int, seq: int, steps: int, head_chunk: int, remat: str) -> dict:
+def run_one(shape: str, batch: int, seq: int, steps: int, head_chunk: int, remat: str,
+            attention: str) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -81,7 +82,9 @@ def run_one(shape: str, batch: int, seq: int, steps: int, head_chunk: int, remat
     from posttrain.train.step import TrainState, head_chunk as chunk_of, make_train_step, \
         next_token_loss
 
-    cfg = model_config(shape, head_chunk, remat)
+    from posttrain.models.layers import attention_impl
+
+    cfg = model_config(shape, head_chunk, remat, attention)
     abstract = nnx.eval_shape(lambda: CausalLM(cfg, nnx.Rngs(0)))
     whole = jax.jit(lambda: nnx.state(CausalLM(cfg, nnx.Rngs(0))))()  # made on the device
     graphdef, params, rest = nnx.split(nnx.merge(nnx.graphdef(abstract), whole), nnx.Param, ...)
@@ -120,6 +123,7 @@ def run_one(shape: str, batch: int, seq: int, steps: int, head_chunk: int, remat
     flops = flops_per_token(cfg, n_matmul, seq) * tps
     return {"shape": shape, "batch": batch, "seq": seq, "tokens_per_step": batch * seq,
             "head_chunk_positions": chunk_of(cfg, batch, seq), "remat": remat,
+            "attention": attention_impl(cfg, seq, False),
             "params": int(n_params), "step_s": dt, "tokens_per_s": tps,
             "tflops": flops / 1e12, "mfu": flops / (peak * 1e12) if peak else None,
             "peak_bytes": stats.get("peak_bytes_in_use"), "compile_s": compile_s,
@@ -132,6 +136,7 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--head-chunk", type=int, default=0)
     ap.add_argument("--remat", default="full")
+    ap.add_argument("--attention", default="auto", choices=["auto", "xla", "splash"])
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (the test suite)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one configuration
@@ -142,7 +147,8 @@ def main():
     if args.one:
         shape, bs = args.one.split(":")
         b, t = map(int, bs.split("x"))
-        print("@@" + json.dumps(run_one(shape, b, t, args.steps, args.head_chunk, args.remat)))
+        print("@@" + json.dumps(run_one(shape, b, t, args.steps, args.head_chunk, args.remat,
+                                        args.attention)))
         return
     configs = "tiny:2x64" if args.dry_run else args.configs
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -150,7 +156,8 @@ def main():
     def child(one: str):  # this process never opens the chip: one process at a time holds it
         return subprocess.run([sys.executable, "-m", "benchmarks.tpu.train_step", "--one", one,
                                "--steps", str(2 if args.dry_run else args.steps),
-                               "--head-chunk", str(args.head_chunk), "--remat", args.remat],
+                               "--head-chunk", str(args.head_chunk), "--remat", args.remat,
+                               "--attention", args.attention],
                               cwd=ROOT, env=env, capture_output=True, text=True, check=False)
 
     r = child("peak")

@@ -54,6 +54,9 @@ class ModelConfig(BaseModel):
     remat: Literal["none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_out_proj"] = "none"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    attention: Literal["auto", "xla", "splash"] = Field(
+        "auto", description="auto: the Pallas splash kernel on a TPU (training and scoring), "
+        "XLA's formulation elsewhere and in decode; splash off a TPU runs interpreted (tests)")
     head_chunk_tokens: int = Field(0, ge=0, description="tokens whose logits the loss computes "
                                    "at once (`posttrain.train.step.head_chunk`); 0: chosen from "
                                    "the vocabulary size")

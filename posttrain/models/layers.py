@@ -192,6 +192,51 @@ def _attend_bwd(res, d_out):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
+SPLASH_BLOCK = 512  # splash attention's query/key tile on TPU (MaxText's v5e default)
+
+
+def attention_impl(cfg: ModelConfig, t: int, cached: bool) -> str:
+    """Which attention a call runs: `cfg.attention`, with `auto` resolved here, in one place.
+    Splash (the Pallas TPU kernel) serves calls without a KV cache (training, scoring) whose
+    length fills whole tiles of 128; `auto` picks it on a single TPU device (a mesh needs the
+    kernel under shard_map, not done yet), XLA's formulation elsewhere (CPU, GPU, decode)."""
+    if cached or t % 128:
+        return "xla"
+    if cfg.attention == "auto":
+        return "splash" if jax.default_backend() == "tpu" and jax.device_count() == 1 else "xla"
+    return cfg.attention
+
+
+def splash_attention(q_bthd, k_btkd, v_btkd, seg_bt) -> jax.Array:
+    """Causal grouped-query attention of a chunk over itself with the Pallas splash kernel
+    (`jax.experimental.pallas.ops.tpu.splash_attention`): per (row, KV head), its G query heads
+    against one key/value head (the MQA kernel), segment ids keeping packed sequences apart
+    (positions restart per segment and rise with the index inside one, so index-causal within a
+    segment is the mask `attention_mask` builds). Never [.., T, S] scores in memory. Off a TPU
+    the kernel runs interpreted (tests). Padding queries (segment 0) attend padding keys here
+    and every key in `dot_attention`: their outputs differ, and no real token reads them."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    b, t, h, d = q_bthd.shape
+    kh = k_btkd.shape[2]
+    g = h // kh
+    block = min(SPLASH_BLOCK, t) if t % min(SPLASH_BLOCK, t) == 0 else 128
+    sizes = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                          block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                          block_q_dq=block, block_kv_dq=block)
+    kernel = sa.make_splash_mqa_single_device(
+        sa.MultiHeadMask([sa.CausalMask((t, t))] * g), block_sizes=sizes,
+        interpret=jax.default_backend() != "tpu")
+    q = (q_bthd * (1 / math.sqrt(d))).astype(q_bthd.dtype)
+    q = q.reshape(b, t, kh, g, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
+    k = k_btkd.transpose(0, 2, 1, 3)  # [B, K, T, D]
+    v = v_btkd.transpose(0, 2, 1, 3)
+    seg = sa.SegmentIds(q=seg_bt, kv=seg_bt)
+    per_row = jax.vmap(kernel, in_axes=(0, 0, 0, None))  # over KV heads
+    out = jax.vmap(per_row, in_axes=(0, 0, 0, sa.SegmentIds(0, 0)))(q, k, v, seg)
+    return out.astype(q_bthd.dtype).transpose(0, 3, 1, 2, 4).reshape(b, t, h * d)
+
+
 class LayerKV(NamedTuple):
     """What one layer sees of a `KVCache`: its keys [B, K, D, S] / values [B, K, S, D], either its
     own buffers (`layer` None) or every layer's stacked on a leading axis with its index, written in place at
@@ -229,7 +274,11 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, rope)
-        k = apply_rope(k, rope).transpose(0, 2, 3, 1)  # [B, K, D, T]
+        k = apply_rope(k, rope)
+        if attention_impl(cfg, t, kv is not None) == "splash":
+            out = splash_attention(q, k, v.transpose(0, 2, 1, 3), seg_bt)
+            return checkpoint_name(dense(self.o_proj, out), "out_proj"), None
+        k = k.transpose(0, 2, 3, 1)  # [B, K, D, T]
         if kv is None:
             keys, values, k_pos, k_seg, new_kv = k, v, pos_bt, seg_bt, None
         else:

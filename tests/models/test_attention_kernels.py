@@ -1,0 +1,86 @@
+"""The Pallas splash attention kernel (TPU; interpreted here) against the XLA formulation the
+model uses elsewhere: values and gradients at every real token, with packed segments
+(positions restarting per segment), GQA ratios 1, 2 and 4, and padding at the end of a row."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posttrain.models.layers import attention_mask, dot_attention, splash_attention
+
+
+def inputs(b=2, t=128, h=4, kh=2, d=32, seed=0):
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.normal(size=s).astype(np.float32))
+               for s in ((b, t, h, d), (b, t, kh, d), (b, t, kh, d)))
+    seg = np.zeros((b, t), np.int32)
+    pos = np.zeros((b, t), np.int32)
+    seg[0, :50], seg[0, 50:110] = 1, 2  # two packed sequences, then padding
+    pos[0, :50], pos[0, 50:110] = np.arange(50), np.arange(60)
+    seg[1, :] = 1  # one full-length sequence
+    pos[1] = np.arange(t)
+    return q, k, v, jnp.asarray(seg), jnp.asarray(pos)
+
+
+def xla_attention(q, k, v, seg, pos):
+    mask = attention_mask(pos, seg, pos, seg)
+    return dot_attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask)
+
+
+@pytest.mark.parametrize("h,kh", [(4, 4), (4, 2), (4, 1)])
+def test_splash_equals_xla_attention_values_and_gradients(h, kh):
+    q, k, v, seg, pos = inputs(h=h, kh=kh)
+    real = (seg != 0)[..., None]  # [B, T, 1]
+    w = jnp.asarray(np.random.default_rng(1).normal(size=(2, 128, h * 32)).astype(np.float32))
+
+    def loss(f):
+        return lambda q, k, v: jnp.sum(f(q, k, v) * w * real)
+
+    got = splash_attention(q, k, v, seg)
+    want = xla_attention(q, k, v, seg, pos)
+    # f32 throughout; the kernel's online softmax sums in other blocks: ~1e-6
+    np.testing.assert_allclose(np.asarray(got * real), np.asarray(want * real), atol=1e-5)
+    g_got = jax.grad(loss(lambda q, k, v: splash_attention(q, k, v, seg)), (0, 1, 2))(q, k, v)
+    g_want = jax.grad(loss(lambda q, k, v: xla_attention(q, k, v, seg, pos)), (0, 1, 2))(q, k, v)
+    rows = np.asarray(seg != 0)[..., None, None]  # padding rows differ by design (docstring)
+    for a, b in zip(g_got, g_want):
+        np.testing.assert_allclose(np.asarray(a) * rows, np.asarray(b) * rows, atol=1e-5)
+
+
+def test_model_with_splash_attention_trains_as_with_xla():
+    """`model.attention: splash` in the whole model: the next-token loss and its gradients equal
+    the XLA path's (packed rows, scanned layers)."""
+    from flax import nnx
+
+    from posttrain.models import build_model
+    from posttrain.train.step import next_token_loss
+    from tests.models.test_sharding_remat import CFG, batch
+
+    b = {k: jnp.asarray(v[:2]) for k, v in batch(b=8, t=128).items()}
+    out = {}
+    for impl in ("xla", "splash"):
+        graphdef, params = nnx.split(build_model(CFG.model_copy(update={"attention": impl})), nnx.Param)
+        f = lambda p: (lambda s, n, _: s / n)(*next_token_loss(nnx.merge(graphdef, p), b))  # noqa: E731
+        out[impl] = jax.value_and_grad(f)(params)
+    (l_s, g_s), (l_x, g_x) = out["splash"], out["xla"]
+    np.testing.assert_allclose(float(l_s), float(l_x), rtol=1e-6)
+    for (path, a), (_, w) in zip(nnx.to_flat_state(g_s), nnx.to_flat_state(g_x)):
+        a, w = np.asarray(a[...]), np.asarray(w[...])
+        assert np.linalg.norm(a - w) <= 1e-5 * np.linalg.norm(w) + 1e-9, path
+
+
+def test_the_attention_is_chosen_in_one_place(monkeypatch):
+    from posttrain.models import layers
+    from tests.models.test_sharding_remat import CFG
+
+    auto, splash = CFG, CFG.model_copy(update={"attention": "splash"})
+    assert layers.attention_impl(auto, 2048, cached=False) == "xla"  # CPU
+    assert layers.attention_impl(splash, 2048, cached=False) == "splash"  # interpreted
+    assert layers.attention_impl(splash, 2048, cached=True) == "xla"  # decode: the cache's own
+    assert layers.attention_impl(splash, 100, cached=False) == "xla"  # not whole tiles
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(layers.jax, "device_count", lambda: 1)
+    assert layers.attention_impl(auto, 2048, cached=False) == "splash"
+    monkeypatch.setattr(layers.jax, "device_count", lambda: 8)  # a mesh: not under shard_map yet
+    assert layers.attention_impl(auto, 2048, cached=False) == "xla"
