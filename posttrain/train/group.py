@@ -36,6 +36,7 @@ import json
 import os
 import socket
 import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +50,11 @@ from posttrain.models.config import ModelConfig
 SKIP_JOIN_ENV = "POSTTRAIN_TEST_SKIP_JOIN_RANK"
 
 
+# buckets of an export whose refs rank 0 keeps: the streamed generator runs up to 2 items ahead
+# of the driver, which keeps 1 load in flight (`rollout.transfer.ObjectStore`)
+EXPORT_REFS_KEPT = 4
+
+
 @ray.remote(max_restarts=0)
 class TrainerHost:
     """One host of the group: joins jax.distributed, then runs a `Trainer` over the global mesh."""
@@ -58,6 +64,7 @@ class TrainerHost:
 
         host_memory.keep_freed_memory()  # a process that trains: before JAX starts its threads
         self.rank, self.trainer = rank, None
+        self._recent_buckets: deque = deque(maxlen=EXPORT_REFS_KEPT)
 
     def info(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "node": ray.util.get_node_ip_address()}
@@ -103,7 +110,12 @@ class TrainerHost:
         (bucket meta, object ref of its arrays) bucket by bucket."""
         for meta, arrays in self.trainer.exporter(**kw).host_arrays():
             if self.rank == 0:
-                yield meta, ray.put(arrays)
+                # The owner holds its newest refs itself: one that only travels inside a
+                # streamed item could be released before the driver has taken it (seen once:
+                # a worker's load_bucket failed with ReferenceCountingAssertionError).
+                ref = ray.put(arrays)
+                self._recent_buckets.append(ref)
+                yield meta, ref
             del arrays
 
     def close(self) -> None:
