@@ -1,6 +1,7 @@
 """The SFT / pretraining step on an accelerator: tokens/s, MFU, peak memory, compile seconds.
 
     python -m benchmarks.tpu.train_step [--configs 0.6b:2x2048,0.6b:8x2048] [--steps 10] [--out DIR]
+                                        [--attention auto|xla|splash] [--remat full] [--peer tunix]
 
 On the TPU machine (see ../shared/TPU.md), after `source .whl-tpu/setup.sh`, with `--out $OUT`.
 Each configuration runs in a process of its own (one process holds the chip at a time, and a
@@ -49,6 +50,14 @@ def model_config(shape: str, head_chunk: int, remat: str, attention: str = "auto
     return ModelConfig(**spec, **sw)
 
 
+def matmul_params(cfg) -> int:
+    """Parameters that take part in a matmul per token: every projection and the LM head (the
+    same count for Tunix's model of the same shape)."""
+    e, hd, kd = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_layer = 2 * e * hd + 2 * e * kd + 3 * e * cfg.intermediate_size
+    return cfg.num_hidden_layers * per_layer + cfg.vocab_size * e
+
+
 def flops_per_token(cfg, n_matmul_params: int, seq: int) -> float:
     attn = 6 * cfg.num_hidden_layers * seq * cfg.num_attention_heads * cfg.head_dim
     return 6 * n_matmul_params + attn
@@ -89,10 +98,7 @@ def run_one(shape: str, batch: int, seq: int, steps: int, head_chunk: int, remat
     whole = jax.jit(lambda: nnx.state(CausalLM(cfg, nnx.Rngs(0))))()  # made on the device
     graphdef, params, rest = nnx.split(nnx.merge(nnx.graphdef(abstract), whole), nnx.Param, ...)
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    n_matmul = n_params - sum(x.size for p, x in jax.tree_util.tree_leaves_with_path(params)
-                              if "norm" in jax.tree_util.keystr(p))
-    if not cfg.tie_word_embeddings:  # the embedding lookup is no matmul; a tied one is the head
-        n_matmul -= cfg.vocab_size * cfg.hidden_size
+    n_matmul = matmul_params(cfg)
     opt = optax.adamw(1e-4)
     state = TrainState(params, rest, opt.init(params), jnp.zeros((), jnp.int32),
                        jax.random.key_data(jax.random.key(0)))
@@ -130,6 +136,30 @@ def run_one(shape: str, batch: int, seq: int, steps: int, head_chunk: int, remat
             "loss": float(m["loss"]) if "loss" in m else None, "device": str(dev.device_kind)}
 
 
+def tunix_run(config: str, args, ours: dict) -> dict:
+    """Tunix's SFT trainer on `config` in a process of its own, with Tunix on its path only,
+    and its MFU by the same convention; `vs_ours`: our tokens/s over its."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        os.environ.get("TUNIX_PATH"), str(ROOT), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "benchmarks.tpu.tunix_sft", "--config", config,
+           "--steps", str(4 if args.dry_run else args.steps)] + (["--tiny"] if args.dry_run else [])
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    if r.returncode or "@@" not in r.stdout:
+        tail = (r.stderr or r.stdout)[-600:]
+        return {"peer": "tunix", "config": config, "error": "out of memory" if
+                "RESOURCE_EXHAUSTED" in tail or "Out of memory" in tail else tail}
+    res = json.loads(r.stdout.split("@@")[-1])
+    shape, bs = config.split(":")
+    b, t = map(int, bs.split("x"))
+    cfg = model_config(shape, 0, "full")
+    peak = PEAK_TFLOPS.get("tpu") if ours.get("device", "").startswith("TPU") else None
+    flops = flops_per_token(cfg, matmul_params(cfg), t) * res["tokens_per_s"]
+    res["mfu"] = flops / (peak * 1e12) if peak else None
+    if "tokens_per_s" in ours:
+        res["vs_ours"] = ours["tokens_per_s"] / res["tokens_per_s"]
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="0.6b:2x2048,0.6b:4x2048,0.6b:8x2048")
@@ -138,6 +168,8 @@ def main():
     ap.add_argument("--remat", default="full")
     ap.add_argument("--attention", default="auto", choices=["auto", "xla", "splash"])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--peer", default="", choices=["", "tunix"],
+                    help="tunix: Tunix's PeftTrainer on each configuration too (needs $TUNIX_PATH)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (the test suite)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one configuration
     args = ap.parse_args()
@@ -174,9 +206,12 @@ def main():
             res = json.loads(r.stdout.split("@@")[-1])
         results["runs"].append(res)
         print(json.dumps(res), flush=True)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "train_step.json").write_text(json.dumps(results, indent=1))
+        if args.peer == "tunix":
+            results["runs"].append(tunix_run(c, args, res))
+            print(json.dumps(results["runs"][-1]), flush=True)
+        if args.out:  # after every run: a command cut short keeps what it measured
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "train_step.json").write_text(json.dumps(results, indent=1))
     if any("error" in r for r in results["runs"]) and args.dry_run:
         sys.exit(1)
 

@@ -1,0 +1,109 @@
+"""The peer of `benchmarks.tpu.train_step`: Tunix 0.1.7's SFT trainer on the same shape and batch.
+
+    PYTHONPATH=$TUNIX_PATH:$PYTHONPATH python -m benchmarks.tpu.tunix_sft --config 0.6b:2x2048
+
+Run by `benchmarks.tpu.train_step --peer tunix` in a process of its own (only Tunix's process
+gets Tunix on its path, and one process holds the chip at a time). Tunix as its docs set it up
+for a TPU: its own Qwen3 (`tunix.models.qwen3.model.Qwen3`, random weights of the 0.6B preset),
+bf16 compute over f32 parameters, its splash attention (`use_flash_attention`), its remat of the
+whole decoder layer, `PeftTrainer` (full fine-tuning) with AdamW, every position a real token.
+Prints `@@` + JSON: median step seconds and tokens/s after 2 warm-up steps, peak HBM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+WARMUP = 2
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="0.6b:2x2048")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--tiny", action="store_true", help="a tiny shape on CPU (the dry run)")
+    args = ap.parse_args()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+    from tunix.models.qwen3 import model as qwen3
+    from tunix.sft import hooks, peft_trainer
+    from tunix.sft import utils as sft_utils
+    from tunix.utils import mesh as mesh_lib
+
+    shape, bs = args.config.split(":")
+    batch, seq = map(int, bs.split("x"))
+    on_tpu = jax.default_backend() == "tpu"
+    if args.tiny:
+        cfg = qwen3.ModelConfig(num_layers=2, vocab_size=512, embed_dim=64, hidden_dim=128,
+                                num_heads=2, head_dim=32, num_kv_heads=1, rope_theta=10000,
+                                norm_eps=1e-6, use_tied_embedding=True)
+    else:
+        cfg = qwen3.ModelConfig.qwen3_0p6b()
+    cfg.dtype, cfg.param_dtype = jnp.bfloat16, jnp.float32
+    cfg.remat_config = qwen3.RematConfig.DECODER
+    cfg.use_flash_attention = on_tpu
+    mesh = mesh_lib.create_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1])
+    with mesh:
+        model = qwen3.Qwen3(cfg, rngs=nnx.Rngs(0))
+
+    class StepClock(hooks.TrainingHooks):
+        def __init__(self):
+            self.start, self.ends = None, []
+
+        def on_train_start(self, train_ctx):
+            self.start = time.perf_counter()
+
+        def on_train_step_end(self, train_ctx, train_step, train_loss):
+            float(train_loss)  # the step is done
+            self.ends.append(time.perf_counter())
+
+        def on_train_end(self, train_ctx):
+            pass
+
+        def on_train_step_start(self, train_ctx):
+            pass
+
+        def on_eval_step_start(self, train_ctx):
+            pass
+
+        def on_eval_step_end(self, train_ctx, eval_loss):
+            pass
+
+    config = peft_trainer.TrainingConfig(
+        eval_every_n_steps=10**9, max_steps=args.steps, checkpoint_root_directory=None,
+        metrics_logging_options=None, pbar_description=None)
+    trainer = peft_trainer.PeftTrainer(model, optax.adamw(1e-4), config)
+
+    def gen_model_input_fn(x: peft_trainer.TrainingInput):
+        mask = x.input_mask.astype(bool)
+        return {"input_tokens": x.input_tokens, "input_mask": x.input_mask,
+                "positions": sft_utils.build_positions_from_mask(mask),
+                "attention_mask": sft_utils.make_causal_attn_mask(mask)}
+
+    trainer = trainer.with_gen_model_input_fn(gen_model_input_fn)
+    clock = StepClock()
+    trainer.with_training_hooks(clock)
+    rng = np.random.default_rng(0)
+    data = [peft_trainer.TrainingInput(
+        input_tokens=rng.integers(0, cfg.vocab_size, (batch, seq), dtype=np.int32),
+        input_mask=np.ones((batch, seq), np.int32)) for _ in range(args.steps)]
+    with mesh:
+        trainer.train(data)
+    ends = clock.ends
+    steps = [b - a for a, b in zip([clock.start] + ends[:-1], ends)][WARMUP:]
+    dt = statistics.median(steps)
+    stats = jax.devices()[0].memory_stats() or {}
+    print("@@" + json.dumps({"peer": "tunix", "shape": shape, "batch": batch, "seq": seq,
+                             "step_s": dt, "tokens_per_s": batch * seq / dt,
+                             "peak_bytes": stats.get("peak_bytes_in_use"),
+                             "splash": cfg.use_flash_attention}))
+
+
+if __name__ == "__main__":
+    main()
