@@ -159,19 +159,12 @@ def summary(step_s: list[float], warmup: int) -> dict:
             "timed_steps": len(timed)}
 
 
-# ---------------------------------------------------------------------------------------------
-def run_sft(model_dir: Path, steps: int) -> dict:
-    import numpy as np
-    import optax
-    from tunix.sft import hooks, peft_trainer
-    from tunix.sft import utils as sft_utils
-
-    mesh = make_mesh()
-    model, cfg, n_params = load_model(model_dir, mesh)
+def step_clock():
+    """Tunix training hooks that stamp the wall clock at each step end (the trainer has just
+    fetched that step's loss): `.start`, `.ends`, `.losses`."""
+    from tunix.sft import hooks
 
     class StepClock(hooks.TrainingHooks):
-        """Stamps the wall clock at each step end (the trainer has just fetched that step's loss)."""
-
         def __init__(self):
             self.start, self.ends, self.losses = None, [], []
 
@@ -194,20 +187,36 @@ def run_sft(model_dir: Path, steps: int) -> dict:
         def on_eval_step_end(self, train_ctx, eval_loss):
             pass
 
+    return StepClock()
+
+
+def gen_model_input_fn(x):
+    """A `PeftTrainer` batch (every position real) as Tunix's Qwen3 takes it."""
+    from tunix.sft import utils as sft_utils
+
+    mask = x.input_mask.astype(bool)
+    return {"input_tokens": x.input_tokens, "input_mask": x.input_mask,
+            "positions": sft_utils.build_positions_from_mask(mask),
+            "attention_mask": sft_utils.make_causal_attn_mask(mask)}
+
+
+# ---------------------------------------------------------------------------------------------
+def run_sft(model_dir: Path, steps: int) -> dict:
+    import numpy as np
+    import optax
+    from tunix.sft import peft_trainer
+
+    mesh = make_mesh()
+    model, cfg, n_params = load_model(model_dir, mesh)
+
     config = peft_trainer.TrainingConfig(
         eval_every_n_steps=10**9, max_steps=steps, checkpoint_root_directory=None,
         metrics_logging_options=None, pbar_description=None)
     trainer = peft_trainer.PeftTrainer(model, optax.adamw(LR), config)
     assert not trainer._lora_enabled  # full fine-tuning: every nnx.Param is trained
 
-    def gen_model_input_fn(x: peft_trainer.TrainingInput):
-        mask = x.input_mask.astype(bool)
-        return {"input_tokens": x.input_tokens, "input_mask": x.input_mask,
-                "positions": sft_utils.build_positions_from_mask(mask),
-                "attention_mask": sft_utils.make_causal_attn_mask(mask)}
-
     trainer = trainer.with_gen_model_input_fn(gen_model_input_fn)
-    clock = StepClock()
+    clock = step_clock()
     trainer.with_training_hooks(clock)
 
     rng = np.random.default_rng(0)

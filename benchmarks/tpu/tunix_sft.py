@@ -32,9 +32,10 @@ def main():
     import optax
     from flax import nnx
     from tunix.models.qwen3 import model as qwen3
-    from tunix.sft import hooks, peft_trainer
-    from tunix.sft import utils as sft_utils
+    from tunix.sft import peft_trainer
     from tunix.utils import mesh as mesh_lib
+
+    from benchmarks.peers.tunix_bench import gen_model_input_fn, step_clock
 
     shape, bs = args.config.split(":")
     batch, seq = map(int, bs.split("x"))
@@ -52,42 +53,13 @@ def main():
     with mesh:
         model = qwen3.Qwen3(cfg, rngs=nnx.Rngs(0))
 
-    class StepClock(hooks.TrainingHooks):
-        def __init__(self):
-            self.start, self.ends = None, []
-
-        def on_train_start(self, train_ctx):
-            self.start = time.perf_counter()
-
-        def on_train_step_end(self, train_ctx, train_step, train_loss):
-            float(train_loss)  # the step is done
-            self.ends.append(time.perf_counter())
-
-        def on_train_end(self, train_ctx):
-            pass
-
-        def on_train_step_start(self, train_ctx):
-            pass
-
-        def on_eval_step_start(self, train_ctx):
-            pass
-
-        def on_eval_step_end(self, train_ctx, eval_loss):
-            pass
-
     config = peft_trainer.TrainingConfig(
         eval_every_n_steps=10**9, max_steps=args.steps, checkpoint_root_directory=None,
         metrics_logging_options=None, pbar_description=None)
     trainer = peft_trainer.PeftTrainer(model, optax.adamw(1e-4), config)
 
-    def gen_model_input_fn(x: peft_trainer.TrainingInput):
-        mask = x.input_mask.astype(bool)
-        return {"input_tokens": x.input_tokens, "input_mask": x.input_mask,
-                "positions": sft_utils.build_positions_from_mask(mask),
-                "attention_mask": sft_utils.make_causal_attn_mask(mask)}
-
     trainer = trainer.with_gen_model_input_fn(gen_model_input_fn)
-    clock = StepClock()
+    clock = step_clock()
     trainer.with_training_hooks(clock)
     rng = np.random.default_rng(0)
     data = [peft_trainer.TrainingInput(
