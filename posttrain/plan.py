@@ -212,12 +212,11 @@ def estimate(cfg, mc, mesh_sizes: dict[str, int], hbm: float) -> Estimate:
     if mc.remat != "none":  # the layer being recomputed holds its full activations
         est.activations += tokens * activation_bytes_per_token_layer(mc, "none", mesh_sizes["tensor"], t)
     vocab_local = math.ceil(mc.vocab_size / mesh_sizes["tensor"])
-    # logits in the compute dtype and in f32: the next-token loss (pretrain, SFT) takes them a
-    # chunk of positions at a time (`posttrain.train.step.head_chunk`), the RL losses whole
-    if not is_rl(cfg):
-        from posttrain.train.step import head_chunk
+    # logits in the compute dtype and in f32, a chunk of positions at a time: every loss runs
+    # the LM head in chunks (`posttrain.train.step.head_chunk`)
+    from posttrain.train.step import head_chunk
 
-        tokens = math.ceil(rows) * head_chunk(mc, math.ceil(rows), t)
+    tokens = math.ceil(rows) * head_chunk(mc, math.ceil(rows), t)
     est.logits = tokens * vocab_local * (c + 4)
     est.batch = rows * t * 4 * 8 * cfg.train.grad_accum  # int32/f32 inputs of the whole update
     if is_rl(cfg) and cfg.rollout.placement == "colocated":

@@ -174,7 +174,7 @@ def build_batch(rollouts, advantages: np.ndarray, seq_len: int,
     `group_size` > 1 (rows i*G .. i*G + G-1 sampled from one prompt) the batch also carries
     `shared_prefix` [B, S]: the S leading tokens the rows of each group share, which the GRPO loss
     runs through the model once per group instead of once per row
-    (`posttrain.algorithms.grpo.policy_logits`).
+    (`posttrain.algorithms.grpo.policy_pass`).
 
     With `row_unit` > 0 the sequences are packed instead, several to a row (first-fit
     decreasing, segment ids 1, 2, ... and positions restarting per sequence, so attention stays

@@ -53,6 +53,8 @@ loss by w = min(pi_old / pi_rollout, C), per token or per sequence (product over
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -226,6 +228,27 @@ KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
 # ---- log-prob semantics under top-k / top-p ---------------------------------------------------
 
 
+def kth_largest(x, k):
+    """The k-th largest value along the last axis of `x` (`k` per leading position, 1-based,
+    1 <= k <= n), without a sort: a bisection over the floats' bit patterns, mapped to unsigned
+    integers in the floats' order, that fixes one bit of the answer per pass (32 passes of a
+    compare and a count). The answer is the largest key t with at least k keys >= t: exactly an
+    element of x, the one a descending sort puts at k - 1. A `lax.top_k` over a 152k vocabulary
+    (top-p keeps an unbounded set) sorts every position; this is 32 linear passes."""
+    i = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    key = jnp.where(i >> 31 == 1, ~i, i | jnp.uint32(1 << 31))  # monotone in the float's value
+    k = k[..., None].astype(jnp.int32)
+
+    def bit(j, ans):
+        cand = ans | (jnp.uint32(1) << (31 - j).astype(jnp.uint32))
+        enough = (key >= cand).sum(-1, keepdims=True, dtype=jnp.int32) >= k
+        return jnp.where(enough, cand, ans)
+
+    ans = jax.lax.fori_loop(0, 32, bit, jnp.zeros(k.shape, jnp.uint32))
+    back = jnp.where(ans >> 31 == 1, ans & jnp.uint32(0x7FFFFFFF), ~ans)
+    return jax.lax.bitcast_convert_type(back, jnp.float32)
+
+
 def kept_set_logprobs(logits_btv, targets_bt, kept_bt, kmax: int):
     """log pi^S(target) over the kept set S of `kept_bt` tokens at each position, and
     log pi(S), the kept set's mass under the full softmax. `logits_btv` is temperature-scaled.
@@ -236,16 +259,15 @@ def kept_set_logprobs(logits_btv, targets_bt, kept_bt, kmax: int):
     Tokens tied at the cut share its remaining places (weight (K - above) / tied each): the
     normaliser is the same whichever of them an engine kept, as each weighs the same. `kmax` is
     a static bound on K (V when top-p is on, top_k otherwise; ties past it keep the bound's
-    value as the cut). The kept set is chosen without gradient; the gradient flows through
-    every kept logit."""
+    value as the cut). The cut is found without sorting the vocabulary (`kth_largest`). The
+    kept set is chosen without gradient; the gradient flows through every kept logit."""
     z = logits_btv.astype(jnp.float32)
     v = z.shape[-1]
     is_target = jnp.arange(v) == targets_bt[..., None]
     z_target = jnp.take_along_axis(z, targets_bt[..., None], axis=-1)[..., 0]
     k = jnp.where((kept_bt <= 0) | (kept_bt >= v), v, kept_bt)
     sel = jax.lax.stop_gradient(jnp.where(is_target, jnp.inf, z))
-    top = jax.lax.top_k(sel, min(kmax, v))[0]
-    cut = jnp.take_along_axis(top, jnp.minimum(k, top.shape[-1])[..., None] - 1, axis=-1)
+    cut = kth_largest(sel, jnp.minimum(k, min(kmax, v)))
     above, tied = sel > cut, sel == cut
     n_above, n_tied = above.sum(-1, keepdims=True), tied.sum(-1, keepdims=True)
     share = jnp.clip(k[..., None] - n_above, 0, n_tied) / jnp.maximum(n_tied, 1)
@@ -321,9 +343,8 @@ def make_loss_fn(cfg):
         compares against is the current one), pi_old = stop_gradient(pi): the separate
         log-prob pass is folded into this forward, and the trainer's log-probs come back
         per row (`rows/logp`) for the mismatch metrics."""
-        logits, router = policy_logits(model, batch, g.group_size)
-        logits = logits / g.temperature
-        logp, log_mass = trainer_logprobs(g, logits, batch)
+        out, router = policy_pass(model, batch, g, entropy=True)
+        logp, log_mass = out["logp"], out.get("log_mass")
         logp_old = batch["logp_old"] if "logp_old" in batch else jax.lax.stop_gradient(logp)
         mask = batch["loss_mask"]
         seqs = Seqs.of(batch)
@@ -341,29 +362,55 @@ def make_loss_fn(cfg):
             per_tok = per_tok + g.beta * k
             aux["kl"] = (k * mask).sum() / n_tok
         s, n = agg(per_tok, mask, float(g.max_tokens), seqs)
-        logz = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-        entropy = logz - (probs * logits).sum(-1)
-        aux["entropy"] = jax.lax.stop_gradient((entropy * mask).sum() / n_tok)
+        aux["entropy"] = jax.lax.stop_gradient((out["entropy"] * mask).sum() / n_tok)
         return add_router_loss(model.cfg, s, n, router, aux)
 
     return loss_fn
 
 
-def policy_logits(model, batch, group_size: int):
-    """(logits [B, T, V], router losses) of the batch's rows. With `shared_prefix` [B, S] in the
-    batch (`posttrain.rollouts.build_batch`: the S tokens each group of `group_size` rows shares)
-    the prefix runs once per group into a KV cache, which is repeated for the group's rows, and
-    the rows run from position S on over it: the same logits and gradients as the plain pass
-    (each row's prefix states are the group's), with G - 1 of every G prefix passes left out (8 x
-    8 completions after ~20-token prompts: 15% of the update's tokens). The plain pass when the
+def head_outputs(g, logits_btv, targets_bt, kept_bt, entropy: bool = False) -> dict:
+    """Per position, from the LM head's logits (one chunk of them, `train.step.chunked_head`):
+    `logp`, the log-prob of the target under `grpo.logprob_semantics` at the run's temperature
+    (replaying the kept counts the engine reported; see the module docstring), `log_mass` (the
+    log of the kept set's mass; only when top-k / top-p truncate) and, with `entropy`, the
+    policy's entropy (no gradient)."""
+    z = logits_btv.astype(jnp.float32) / g.temperature
+    logp, log_mass = policy_logprobs(z, targets_bt, kept_bt, g.logprob_semantics, g.top_k, g.top_p)
+    out = {"logp": logp}
+    if log_mass is not None:
+        out["log_mass"] = log_mass
+    if entropy:
+        p = jax.nn.softmax(jax.lax.stop_gradient(z), axis=-1)
+        out["entropy"] = jax.nn.logsumexp(jax.lax.stop_gradient(z), axis=-1) - (p * z).sum(-1)
+        out["entropy"] = jax.lax.stop_gradient(out["entropy"])
+    return out
+
+
+def policy_pass(model, batch, g, entropy: bool = False):
+    """(`head_outputs` [B, T] each, router losses) of the batch's rows under the policy `model`;
+    the LM head runs in chunks of positions inside the model's call (`train.step.chunked_head`:
+    the [B, T, V] logits never exist). With `shared_prefix` [B, S] in the batch
+    (`posttrain.rollouts.build_batch`: the S tokens each group of `group_size` rows shares) the
+    prefix runs once per group into a KV cache, which is repeated for the group's rows, and the
+    rows run from position S on over it: the same outputs and gradients as the plain pass (each
+    row's prefix states are the group's), with G - 1 of every G prefix passes left out (8 x 8
+    completions after ~20-token prompts: 15% of the update's tokens). The plain pass when the
     (mini-/micro-)batch does not hold whole groups, or for MoE models (their router losses are
     means over one pass's tokens)."""
+    from posttrain.train.step import chunked_head, head_chunk
+
     tokens, pos, seg = batch["tokens"], batch["positions"], batch["segment_ids"]
-    shared = batch.get("shared_prefix")
     b, t = tokens.shape
+    chunk = head_chunk(model.cfg, b, t)
+
+    def head(x_bte, lm_head):
+        return chunked_head(x_bte, lm_head, chunk, partial(head_outputs, g, entropy=entropy),
+                            batch["targets"], batch["kept_counts"])
+
+    shared = batch.get("shared_prefix")
+    group_size = g.group_size
     if shared is None or group_size <= 1 or b % group_size or model.cfg.is_moe:
-        return model(tokens, pos, seg, with_router_losses=True)
+        return model(tokens, pos, seg, with_router_losses=True, head=head)
     from posttrain.models.transformer import KVCache
 
     n = shared.shape[1]
@@ -372,25 +419,16 @@ def policy_logits(model, batch, group_size: int):
     # both passes through the model's call: LoRA / int8 apply only there (`CausalLM.__call__`)
     x_pre, cache = model(prefix, pos[::group_size, :n], seg[::group_size, :n], cache,
                          head=lambda x, _: x)
-    logits, _ = model(tokens[:, n:], pos[:, n:], seg[:, n:], cache.repeat(group_size),
-                      head=lambda x_rows, lm_head: lm_head(jnp.concatenate(
-                          [jnp.repeat(x_pre, group_size, axis=0), x_rows], axis=1)))
-    return logits, {}
-
-
-def trainer_logprobs(g, logits_btv, batch):
-    """Log-probs of the batch's tokens under `grpo.logprob_semantics` (logits temperature-scaled),
-    replaying the kept counts the engine reported; see `posttrain.algorithms.grpo`."""
-    return policy_logprobs(logits_btv, batch["targets"], batch["kept_counts"],
-                           g.logprob_semantics, g.top_k, g.top_p)
+    out, _ = model(tokens[:, n:], pos[:, n:], seg[:, n:], cache.repeat(group_size),
+                   head=lambda x_rows, lm_head: head(jnp.concatenate(
+                       [jnp.repeat(x_pre, group_size, axis=0), x_rows], axis=1), lm_head))
+    return out, {}
 
 
 def make_logprob_fn(graphdef, g):
     """Jitted (params, frozen, batch) -> per-token log-probs of the policy `params` (the old or
     the reference policy) under the run's semantics; `g` is the run's `grpo` section."""
     def f(params, frozen, batch):
-        model = nnx.merge(graphdef, params, frozen)
-        logits = model(batch["tokens"], batch["positions"], batch["segment_ids"]) / g.temperature
-        return trainer_logprobs(g, logits, batch)[0]
+        return policy_pass(nnx.merge(graphdef, params, frozen), batch, g)[0]["logp"]
 
     return jax.jit(f)

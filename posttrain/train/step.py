@@ -51,29 +51,36 @@ def head_chunk(cfg, batch: int, seq: int) -> int:
     return max(1, min(seq, tokens // batch))
 
 
-def chunked_token_logprobs(x_bte: jax.Array, targets_bt: jax.Array, lm_head, chunk: int) -> jax.Array:
-    """`token_logprobs(lm_head(x_bte), targets_bt)` without the [B, T, V] logits: positions go
-    through the head `chunk` at a time (a `lax.map` over slices of the sequence, each under
-    `jax.checkpoint`), so the forward keeps only each chunk's log-probs and the backward
-    recomputes a chunk's logits to differentiate them. Peak memory of the head: [B, chunk, V]
-    in f32, twice (logits and their gradient), instead of [B, T, V]. The same values and
-    gradients as the whole head up to fp32 summation order (tests)."""
+def chunked_head(x_bte: jax.Array, lm_head, chunk: int, fn, *per_position):
+    """`fn(lm_head(x_bte), *per_position)` without the [B, T, V] logits: `fn(logits_bcv, *[B,
+    C] inputs)` returns a pytree of per-position [B, C] outputs, and positions go through the
+    head `chunk` at a time (a `lax.map` over slices of the sequence, each under `jax.checkpoint`),
+    so the forward keeps only each chunk's outputs and the backward recomputes a chunk's logits
+    to differentiate them (MaxText's vocabulary tiling, Tunix's chunked log-probs). Peak memory
+    of the head: [B, chunk, V] in f32, twice (logits and their gradient), instead of [B, T, V].
+    The same values and gradients as the whole head up to fp32 summation order (tests). The
+    next-token loss, the RL log-probs, entropy and kept-set replay all go through here."""
     b, t, e = x_bte.shape
     if chunk >= t:
-        return token_logprobs(lm_head(x_bte), targets_bt)
+        return fn(lm_head(x_bte), *per_position)
     pad = -t % chunk
-    x = jnp.pad(x_bte, ((0, 0), (0, pad), (0, 0)))
-    tg = jnp.pad(targets_bt, ((0, 0), (0, pad)))
     n = (t + pad) // chunk
-    xs = x.reshape(b, n, chunk, e).swapaxes(0, 1)  # [N, B, C, E]
-    ts = tg.reshape(b, n, chunk).swapaxes(0, 1)
+
+    def slices(a):  # [B, T, ...] -> [N, B, C, ...]
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        return a.reshape(b, n, chunk, *a.shape[2:]).swapaxes(0, 1)
 
     @partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
-    def one(x_bce, t_bc):
-        return token_logprobs(lm_head(x_bce), t_bc)
+    def one(x_bce, *inputs):
+        return fn(lm_head(x_bce), *inputs)
 
-    lp = jax.lax.map(lambda a: one(*a), (xs, ts))  # [N, B, C]
-    return lp.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+    out = jax.lax.map(lambda a: one(*a), (slices(x_bte), *map(slices, per_position)))
+    return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(b, n * chunk, *y.shape[3:])[:, :t], out)
+
+
+def chunked_token_logprobs(x_bte: jax.Array, targets_bt: jax.Array, lm_head, chunk: int) -> jax.Array:
+    """`token_logprobs(lm_head(x_bte), targets_bt)`, the head in chunks (`chunked_head`)."""
+    return chunked_head(x_bte, lm_head, chunk, token_logprobs, targets_bt)
 
 
 def next_token_loss(model: nnx.Module, batch: dict) -> tuple[jax.Array, jax.Array, dict]:
