@@ -96,7 +96,9 @@ def with_lora(model, int8_base: bool = False, modules: str = ".*(q_proj|v_proj|d
 
     provider = qwix.LoraProvider(module_path=modules, rank=4, alpha=8.0,
                                  weight_qtype=jnp.int8 if int8_base else None)
-    policy = qwix.apply_lora_to_model(model, provider, jnp.zeros((1, 8), jnp.int32), rngs=nnx.Rngs(0))
+    from posttrain.models import qwix_apply
+
+    policy = qwix_apply(model, provider, rngs=nnx.Rngs(0))
     for i, (_, var) in enumerate(nnx.to_flat_state(nnx.state(policy, nnx.LoRAParam))):
         var[...] = 0.05 * jax.random.normal(jax.random.key(i), var[...].shape, var[...].dtype)
     return policy

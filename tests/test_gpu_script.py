@@ -63,12 +63,19 @@ def test_dry_run_runs_every_part_and_writes_the_results(tmp_path):
 
 def test_tpu_train_step_dry_run_writes_its_table(tmp_path):
     """`benchmarks/tpu/train_step.py` (run on the TPU machine) stays runnable: its CPU dry run
-    trains a tiny model through the same code, with the LM head in chunks, and writes JSON."""
+    trains a tiny model through the same code, with the LM head in chunks, and a LoRA over an
+    int8 base with its op profile, and writes JSON."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     r = subprocess.run([sys.executable, "-m", "benchmarks.tpu.train_step", "--dry-run",
                         "--head-chunk", "32", "--out", str(tmp_path)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads((tmp_path / "train_step.json").read_text())
-    (run,) = res["runs"]
-    assert run["head_chunk_positions"] == 16 and run["tokens_per_s"] > 0 and run["loss"] > 0
+    full, lora = res["runs"]
+    assert full["head_chunk_positions"] == 16 and full["tokens_per_s"] > 0 and full["loss"] > 0
+    # LoRA over an int8 frozen base, bf16 parameters: only the adapters train, and the profile
+    # says where the step's op time goes
+    assert lora["lora_rank"] == 4 and lora["int8_base"] and lora["loss"] > 0
+    assert 0 < lora["trainable_params"] < full["trainable_params"] / 4
+    prof = lora["profile"]
+    assert prof["op_ms_per_step"] > 0 and prof["top_ops"] and prof["by_category_ms"]

@@ -2,6 +2,13 @@
 
     python -m benchmarks.tpu.train_step [--configs 0.6b:2x2048,0.6b:8x2048] [--steps 10] [--out DIR]
                                         [--attention auto|xla|splash] [--remat full] [--peer tunix]
+                                        [--params f32|bf16] [--profile]
+
+A configuration is SHAPE:BATCHxSEQ with optional `+` options that override the flags for it
+alone: `+bf16` (bf16 parameters and optimizer moments), `+remat=POLICY`, `+attn=IMPL`,
+`+chunk=N` (head chunk tokens), `+lora16` (LoRA rank 16 on every projection, the base frozen),
+`+int8` (with LoRA: the frozen base quantized to int8 by qwix), `+profile` (where the device time
+goes: `benchmarks.tpu.profile`), e.g. `8b:2x2048+lora16+int8+bf16`.
 
 On the TPU machine (see ../shared/TPU.md), after `source .whl-tpu/setup.sh`, with `--out $OUT`.
 Each configuration runs in a process of its own (one process holds the chip at a time, and a
@@ -33,21 +40,50 @@ ROOT = Path(__file__).resolve().parents[2]
 SHAPES = {  # ModelConfig presets, or explicit tiny shapes for the CPU dry run
     "0.6b": "qwen3_0_6b",
     "llama1b": "llama3_2_1b",
+    "1.7b": "qwen3_1_7b",
+    "4b": "qwen3_4b",
+    "8b": "qwen3_8b",
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=2, num_key_value_heads=1, head_dim=32),
 }
 PEAK_TFLOPS = {"tpu": 197.0}  # TPU v5e, bf16 dense
 
 
-def model_config(shape: str, head_chunk: int, remat: str, attention: str = "auto"):
+def model_config(shape: str, head_chunk: int, remat: str, attention: str = "auto",
+                 params: str = "f32", lora: int = 0):
     from posttrain.models.config import ModelConfig
 
-    sw = dict(scan_layers=True, remat=remat, param_dtype="float32", compute_dtype="bfloat16",
+    sw = dict(scan_layers=not lora, remat=remat, compute_dtype="bfloat16",
+              param_dtype="bfloat16" if params == "bf16" else "float32",
               head_chunk_tokens=head_chunk, attention=attention)
     spec = SHAPES[shape]
     if isinstance(spec, str):
         return ModelConfig.preset(spec, **sw)
     return ModelConfig(**spec, **sw)
+
+
+def parse_config(config: str, defaults: dict) -> tuple[str, int, int, dict]:
+    """`SHAPE:BxT[+opt...]` -> (shape, batch, seq, options over `defaults`)."""
+    head, *opts = config.split("+")
+    shape, bs = head.split(":")
+    b, t = map(int, bs.split("x"))
+    o = dict(defaults)
+    for opt in opts:
+        if opt in ("bf16", "f32"):
+            o["params"] = opt
+        elif opt.startswith("lora"):
+            o["lora"] = int(opt[4:] or 16)
+        elif opt in ("int8", "profile"):
+            o[opt] = True
+        elif "=" in opt:
+            k, v = opt.split("=", 1)
+            key = {"attn": "attention", "chunk": "head_chunk"}.get(k, k)
+            if key not in defaults:
+                raise SystemExit(f"{config}: unknown option {k}")
+            o[key] = type(defaults[key])(v)
+        else:
+            raise SystemExit(f"{config}: unknown option {opt}")
+    return shape, b, t, o
 
 
 def matmul_params(cfg) -> int:
@@ -58,9 +94,12 @@ def matmul_params(cfg) -> int:
     return cfg.num_hidden_layers * per_layer + cfg.vocab_size * e
 
 
-def flops_per_token(cfg, n_matmul_params: int, seq: int) -> float:
+def flops_per_token(cfg, n_matmul_params: int, seq: int, weight_grads: bool = True) -> float:
+    """6 N per token (forward 2, backward 2 for the activations' gradient and 2 for the
+    weights'), or 4 N for a frozen base (LoRA: no weight gradient; the adapters not counted),
+    plus causal attention at half."""
     attn = 6 * cfg.num_hidden_layers * seq * cfg.num_attention_heads * cfg.head_dim
-    return 6 * n_matmul_params + attn
+    return (6 if weight_grads else 4) * n_matmul_params + attn
 
 
 def matmul_peak() -> float:
@@ -79,28 +118,50 @@ def matmul_peak() -> float:
     return 2 * n ** 3 * 10 / (time.perf_counter() - t0) / 1e12
 
 
-def run_one(shape: str, batch: int, seq: int, steps: int, head_chunk: int, remat: str,
-            attention: str) -> dict:
+def build(cfg, lora: int, int8: bool):
+    """(graphdef, trainable params, the rest) of a random model made on the device: with LoRA,
+    qwix's adapters on every projection and the base frozen (int8 with `int8`: the weights are
+    quantized inside the same jitted init, so an 8B model's bf16 weights never exist whole)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from posttrain.models import CausalLM
+
+    def make():
+        model = CausalLM(cfg, nnx.Rngs(0))
+        if lora:
+            import qwix
+
+            from posttrain.models import qwix_apply
+
+            provider = qwix.LoraProvider(module_path=".*_proj", rank=lora, alpha=2.0 * lora,
+                                         weight_qtype=jnp.int8 if int8 else None)
+            model = qwix_apply(model, provider, rngs=nnx.Rngs(0))
+        return model
+
+    abstract = nnx.eval_shape(make)
+    whole = jax.jit(lambda: nnx.state(make()))()
+    return nnx.split(nnx.merge(nnx.graphdef(abstract), whole), nnx.LoRAParam if lora else nnx.Param, ...)
+
+
+def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from flax import nnx
 
-    from posttrain.models import CausalLM
+    from posttrain.models.layers import attention_impl
+    from posttrain.train.optimizer import init_opt_state
     from posttrain.train.step import TrainState, head_chunk as chunk_of, make_train_step, \
         next_token_loss
 
-    from posttrain.models.layers import attention_impl
-
-    cfg = model_config(shape, head_chunk, remat, attention)
-    abstract = nnx.eval_shape(lambda: CausalLM(cfg, nnx.Rngs(0)))
-    whole = jax.jit(lambda: nnx.state(CausalLM(cfg, nnx.Rngs(0))))()  # made on the device
-    graphdef, params, rest = nnx.split(nnx.merge(nnx.graphdef(abstract), whole), nnx.Param, ...)
+    cfg = model_config(shape, o["head_chunk"], o["remat"], o["attention"], o["params"], o["lora"])
+    graphdef, params, rest = build(cfg, o["lora"], o["int8"])
     n_params = sum(x.size for x in jax.tree.leaves(params))
     n_matmul = matmul_params(cfg)
     opt = optax.adamw(1e-4)
-    state = TrainState(params, rest, opt.init(params), jnp.zeros((), jnp.int32),
+    state = TrainState(params, rest, init_opt_state(opt, params), jnp.zeros((), jnp.int32),
                        jax.random.key_data(jax.random.key(0)))
     rng = np.random.default_rng(0)
     tok = rng.integers(0, cfg.vocab_size, (batch, seq)).astype(np.int32)
@@ -113,27 +174,43 @@ def run_one(shape: str, batch: int, seq: int, steps: int, head_chunk: int, remat
     t0 = time.perf_counter()
     compiled = step.lower(state, data).compile()
     compile_s = time.perf_counter() - t0
-    state, m = compiled(state, data)
-    jax.block_until_ready(m)
+    box = [state]
+
+    def once():
+        box[0], m = compiled(box[0], data)
+        jax.block_until_ready(m)
+        return m
+
+    m = once()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        state, m = compiled(state, data)
-        jax.block_until_ready(m)
+        m = once()
         times.append(time.perf_counter() - t0)
     dt = float(np.median(times))
     tps = batch * seq / dt
     dev = jax.devices()[0]
     stats = dev.memory_stats() or {}
     peak = PEAK_TFLOPS.get(jax.default_backend())
-    flops = flops_per_token(cfg, n_matmul, seq) * tps
-    return {"shape": shape, "batch": batch, "seq": seq, "tokens_per_step": batch * seq,
-            "head_chunk_positions": chunk_of(cfg, batch, seq), "remat": remat,
-            "attention": attention_impl(cfg, seq, False),
-            "params": int(n_params), "step_s": dt, "tokens_per_s": tps,
-            "tflops": flops / 1e12, "mfu": flops / (peak * 1e12) if peak else None,
-            "peak_bytes": stats.get("peak_bytes_in_use"), "compile_s": compile_s,
-            "loss": float(m["loss"]) if "loss" in m else None, "device": str(dev.device_kind)}
+    flops = flops_per_token(cfg, n_matmul, seq, weight_grads=not o["lora"]) * tps
+    res = {"shape": shape, "batch": batch, "seq": seq, "tokens_per_step": batch * seq,
+           "head_chunk_positions": chunk_of(cfg, batch, seq), "remat": o["remat"],
+           "attention": attention_impl(cfg, seq, False), "params_dtype": o["params"],
+           "lora_rank": o["lora"], "int8_base": bool(o["lora"] and o["int8"]),
+           "trainable_params": int(n_params), "matmul_params": int(n_matmul),
+           "step_s": dt, "tokens_per_s": tps, "tflops": flops / 1e12,
+           "mfu": flops / (peak * 1e12) if peak else None,
+           "mfu_convention": ("4N (frozen base) + causal attention at half" if o["lora"]
+                              else "6N + causal attention at half"),
+           "peak_bytes": stats.get("peak_bytes_in_use"), "compile_s": compile_s,
+           "loss": float(m["loss"]) if "loss" in m else None, "device": str(dev.device_kind)}
+    if o["profile"]:
+        from benchmarks.tpu.profile import op_breakdown
+
+        res["profile"] = op_breakdown(once, steps=3)
+        # the share of the step the device spends in ops: the rest is host overhead / idle
+        res["device_busy"] = res["profile"].get("op_ms_per_step", 0) / (dt * 1e3)
+    return res
 
 
 def tunix_run(config: str, args, ours: dict) -> dict:
@@ -149,8 +226,7 @@ def tunix_run(config: str, args, ours: dict) -> dict:
         return {"peer": "tunix", "config": config, "error": "out of memory" if
                 "RESOURCE_EXHAUSTED" in tail or "Out of memory" in tail else tail}
     res = json.loads(r.stdout.split("@@")[-1])
-    shape, bs = config.split(":")
-    b, t = map(int, bs.split("x"))
+    shape, b, t, _ = parse_config(config, {})
     cfg = model_config(shape, 0, "full")
     peak = PEAK_TFLOPS.get("tpu") if ours.get("device", "").startswith("TPU") else None
     flops = flops_per_token(cfg, matmul_params(cfg), t) * res["tokens_per_s"]
@@ -167,6 +243,9 @@ def main():
     ap.add_argument("--head-chunk", type=int, default=0)
     ap.add_argument("--remat", default="full")
     ap.add_argument("--attention", default="auto", choices=["auto", "xla", "splash"])
+    ap.add_argument("--params", default="f32", choices=["f32", "bf16"],
+                    help="parameter (and optimizer moment) dtype; compute is bf16 either way")
+    ap.add_argument("--profile", action="store_true", help="op time breakdown of every run")
     ap.add_argument("--out", default=None)
     ap.add_argument("--peer", default="", choices=["", "tunix"],
                     help="tunix: Tunix's PeftTrainer on each configuration too (needs $TUNIX_PATH)")
@@ -176,20 +255,21 @@ def main():
     if args.one == "peak":
         print("@@" + json.dumps(matmul_peak()))
         return
+    defaults = dict(head_chunk=args.head_chunk, remat=args.remat, attention=args.attention,
+                    params=args.params, lora=0, int8=False, profile=args.profile)
     if args.one:
-        shape, bs = args.one.split(":")
-        b, t = map(int, bs.split("x"))
-        print("@@" + json.dumps(run_one(shape, b, t, args.steps, args.head_chunk, args.remat,
-                                        args.attention)))
+        shape, b, t, o = parse_config(args.one, defaults)
+        print("@@" + json.dumps(run_one(shape, b, t, args.steps, o)))
         return
-    configs = "tiny:2x64" if args.dry_run else args.configs
+    configs = "tiny:2x64,tiny:2x64+lora4+int8+bf16+profile" if args.dry_run else args.configs
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     def child(one: str):  # this process never opens the chip: one process at a time holds it
         return subprocess.run([sys.executable, "-m", "benchmarks.tpu.train_step", "--one", one,
                                "--steps", str(2 if args.dry_run else args.steps),
                                "--head-chunk", str(args.head_chunk), "--remat", args.remat,
-                               "--attention", args.attention],
+                               "--attention", args.attention, "--params", args.params]
+                              + (["--profile"] if args.profile else []),
                               cwd=ROOT, env=env, capture_output=True, text=True, check=False)
 
     r = child("peak")

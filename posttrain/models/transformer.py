@@ -162,7 +162,7 @@ class Decoder(nnx.Module):
                 return layer(x, pos_bt, seg_bt, rope, kv)
 
             if cfg.remat != "none":
-                call = nnx.remat(call, policy=policy)
+                call = _remat_layer_call(call, policy)
             per_layer, new_k, new_v = [], [], []
             for i, layer in enumerate(self.layers):
                 kv = None if cache is None else layer_kv(k_all[i], v_all[i])
@@ -177,6 +177,22 @@ class Decoder(nnx.Module):
         if cache is not None:
             cache = cache._replace(k=k_all, v=v_all, end=start + tokens_bt.shape[1])
         return x, cache, stats
+
+
+def _remat_layer_call(call, policy):
+    """`call(layer, x, kv)` under `jax.checkpoint`, the layer passed in as its state and merged
+    inside, as the scanned path does. Not `nnx.remat`: under qwix's LoRA interception it writes
+    the layer's Variables back from inside the checkpoint's trace, which flax refuses
+    (TraceContextError), so LoRA with remat on unrolled layers could not train at all. Nothing
+    is written back: a layer's forward changes no state but LoRA dropout's RNG counts, which
+    the train step reseeds every step (`train.step._reseed_dropout`)."""
+
+    def remat_call(layer, x, kv):
+        graphdef, state = nnx.split(layer)
+        return jax.checkpoint(lambda st, x, kv: call(nnx.merge(graphdef, st), x, kv),
+                              policy=policy)(state, x, kv)
+
+    return remat_call
 
 
 class CausalLM(nnx.Module):

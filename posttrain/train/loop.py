@@ -93,19 +93,22 @@ def create_model(cfg: RunConfig, model_cfg: ModelConfig, mesh) -> CausalLM:
     if lora.rank:
         import qwix
 
+        from posttrain.models import qwix_apply
+
         provider = qwix.LoraProvider(module_path=lora.target_modules, rank=lora.rank,
                                      alpha=lora.alpha, dropout=lora.dropout,
                                      weight_qtype=jnp.int8 if lora.int8_base else None)
-        model = qwix.apply_lora_to_model(model, provider, jnp.zeros((1, 8), jnp.int32),
-                                         rngs=nnx.Rngs(params=cfg.seed, dropout=cfg.seed))
+        model = qwix_apply(model, provider, rngs=nnx.Rngs(params=cfg.seed, dropout=cfg.seed))
         state = nnx.state(model)
         nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
     if cfg.model.quantization == "int8":
         import qwix
 
+        from posttrain.models import qwix_apply
+
         provider = qwix.QtProvider([qwix.QtRule(module_path=r".*_proj|lm_head",
                                                 weight_qtype=jnp.int8, act_qtype=jnp.int8)])
-        model = qwix.quantize_model(model, provider, jnp.zeros((1, 8), jnp.int32))
+        model = qwix_apply(model, provider)
     return model
 
 

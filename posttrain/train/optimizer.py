@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from posttrain.config import OptimizerSection
@@ -66,6 +67,14 @@ def opt_state_shardings(opt_abstract, params):
 
 
 def init_opt_state(optimizer: optax.GradientTransformation, params):
-    """optimizer.init(params), sharded like the parameters (see opt_state_shardings)."""
-    abstract = jax.eval_shape(optimizer.init, params)
-    return jax.jit(optimizer.init, out_shardings=opt_state_shardings(abstract, params))(params)
+    """optimizer.init(params), sharded like the parameters (see opt_state_shardings), its
+    moments in f32 whatever the parameters' dtype: bf16 parameters train with f32 Adam
+    moments. (The step's gradients are f32, divided by the f32 token count, so moments made in
+    bf16 would turn f32 after the first update anyway: a second compile and, donated, a
+    mismatch.)"""
+    def init(p):
+        return optimizer.init(jax.tree.map(lambda x: x.astype(jnp.float32)
+                                           if jnp.issubdtype(x.dtype, jnp.floating) else x, p))
+
+    abstract = jax.eval_shape(init, params)
+    return jax.jit(init, out_shardings=opt_state_shardings(abstract, params))(params)
