@@ -25,26 +25,45 @@ def _stats(event) -> dict:
     return out
 
 
+def _leaves(events):
+    """The events that contain no other: a `while` or `call` op spans its body's ops, which are
+    events of their own on the same line, so counting both would count the body twice."""
+    ev = sorted(events, key=lambda e: (e.start_ns, -e.duration_ns))
+    for i, e in enumerate(ev):
+        if i + 1 < len(ev) and ev[i + 1].start_ns < e.start_ns + e.duration_ns:
+            continue  # the next op starts inside this one: this one is a parent
+        yield e
+
+
 def _op_events(data):
-    """(name, duration ns, stats) of every XLA op execution: the first device's "XLA Ops" line,
-    or the host's XLA thunks where there is no device plane (CPU)."""
+    """(name, duration ns, stats) of every leaf XLA op execution: the first device's "XLA Ops"
+    line, or the host's XLA thunks where there is no device plane (CPU)."""
     planes = list(data.planes)
     device = [p for p in planes if p.name.startswith("/device:") and "TPU" in p.name
               or p.name.startswith("/device:GPU")]
     if device:
         plane = sorted(device, key=lambda p: p.name)[0]
-        for line in plane.lines:
-            if line.name == "XLA Ops":
-                for e in line.events:
-                    yield e.name, e.duration_ns, _stats(e)
-        return
-    for p in planes:
-        if p.name.startswith("/host:CPU"):
-            for line in p.lines:
-                for e in line.events:
-                    st = _stats(e)
-                    if "hlo_op" in st:
-                        yield e.name, e.duration_ns, st
+        lines = [ln for ln in plane.lines if ln.name == "XLA Ops"]
+    else:
+        lines = [ln for p in planes if p.name.startswith("/host:CPU") for ln in p.lines]
+    for line in lines:
+        events = [e for e in line.events if device or "hlo_op" in _stats(e)]
+        for e in _leaves(events):
+            yield e.name, e.duration_ns, _stats(e)
+
+
+def category(name: str, stats: dict) -> str:
+    """XLA's category of an op where the profile names it; else its kind read from the name (a
+    TPU op's name is its HLO text, `%convolution_add_fusion.3 = bf16[..] fusion(..), kind=..`):
+    the name without `%` and the `.N` suffix, and a plain `fusion`'s kind (kOutput fusions are
+    the matmuls on TPU, kLoop/kInput the elementwise and reduction ones)."""
+    if stats.get("hlo_category"):
+        return str(stats["hlo_category"])
+    head, _, rest = name.partition(" = ")
+    base = head.lstrip("%").split(".")[0]
+    if base == "fusion" and "kind=" in rest:
+        base += ":" + rest.split("kind=")[1].split(",")[0].split(")")[0]
+    return base
 
 
 def op_breakdown(run_step: Callable[[], object], steps: int = 3, top: int = 25) -> dict:
@@ -65,13 +84,13 @@ def op_breakdown(run_step: Callable[[], object], steps: int = 3, top: int = 25) 
     info: dict = {}
     by_cat: dict = collections.defaultdict(float)
     for name, ns, st in _op_events(ProfileData.from_file(files[0])):
-        # XLA's category on a TPU; on CPU the op's kind, its name without the ".N" suffix
-        cat = str(st.get("hlo_category") or name.split(".")[0])
-        by_op[name] += ns
+        cat = category(name, st)
+        op = name.split(" = ")[0]
+        by_op[op] += ns
         by_cat[cat] += ns
-        if name not in info:
-            info[name] = {"category": cat,
-                          "hlo": str(st.get("long_name", st.get("tf_op", "")))[:240]}
+        if op not in info:
+            info[op] = {"category": cat,
+                          "hlo": str(st.get("long_name", st.get("tf_op", name)))[:240]}
     total = sum(by_op.values())
     ms = lambda ns: round(ns / steps / 1e6, 3)  # noqa: E731 - per step, milliseconds
     ranked = sorted(by_op.items(), key=lambda kv: -kv[1])[:top]
