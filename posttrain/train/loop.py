@@ -24,6 +24,7 @@ from posttrain.data import generated
 from posttrain.data.dataset import Encoder, PackedBatches, load_rows
 from posttrain.data.tokenizer import load_tokenizer, train_bpe
 from posttrain.errors import UserError
+from posttrain.models import qwix_apply
 from posttrain.models.config import ModelConfig
 from posttrain.models.transformer import CausalLM
 from posttrain.sharding import state_shardings
@@ -93,8 +94,6 @@ def create_model(cfg: RunConfig, model_cfg: ModelConfig, mesh) -> CausalLM:
     if lora.rank:
         import qwix
 
-        from posttrain.models import qwix_apply
-
         provider = qwix.LoraProvider(module_path=lora.target_modules, rank=lora.rank,
                                      alpha=lora.alpha, dropout=lora.dropout,
                                      weight_qtype=jnp.int8 if lora.int8_base else None)
@@ -103,8 +102,6 @@ def create_model(cfg: RunConfig, model_cfg: ModelConfig, mesh) -> CausalLM:
         nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
     if cfg.model.quantization == "int8":
         import qwix
-
-        from posttrain.models import qwix_apply
 
         provider = qwix.QtProvider([qwix.QtRule(module_path=r".*_proj|lm_head",
                                                 weight_qtype=jnp.int8, act_qtype=jnp.int8)])
