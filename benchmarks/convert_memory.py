@@ -45,8 +45,8 @@ print("@@RSS@@", int(hwm) * 1024, rc)
 
 def write_random_hf(cfg: ModelConfig, out: Path, shard_bytes: int = 400 * 1024**2) -> int:
     """A random HF checkpoint written tensor by tensor; returns the largest tensor's bytes."""
-    from converters.export import hf_specs, write_hf_config
-    from converters.safetensors_io import write_sharded
+    from posttrain.models.export import hf_specs, write_hf_config
+    from posttrain.models.safetensors_io import write_sharded
 
     out.mkdir(parents=True, exist_ok=True)
     specs = hf_specs(cfg, lambda name: np.float32)

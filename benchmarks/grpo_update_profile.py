@@ -37,11 +37,8 @@ def build(work: Path):
     from posttrain.config import resolve_stages
     from posttrain.algorithms.grpo import make_loss_fn
     from posttrain.sharding import make_mesh, use_mesh
-    from posttrain.train.loop import (
-        create_model,
-        prepare_tokenizer,
-        resolve_model_config,
-    )
+    from posttrain.train.loop import prepare_tokenizer, resolve_model_config
+    from posttrain.train.trainer import create_model
     from posttrain.train.optimizer import init_opt_state, lr_schedule, make_optimizer
     from posttrain.train.step import TrainState, make_train_step
     from tests.helpers import save_tiny_model_with_tokenizer

@@ -38,7 +38,7 @@ IO_TESTS = [{"input": "3\n", "output": "6"}, {"input": "5\n", "output": "10"}]
 def load_before():
     """The pre-OS-isolation sandbox module from git, or None outside a git checkout."""
     try:
-        src = subprocess.run(["git", "show", f"{BEFORE_REV}:rewards/sandbox.py"], cwd=ROOT,
+        src = subprocess.run(["git", "show", f"{BEFORE_REV}:posttrain/sandbox.py"], cwd=ROOT,
                              capture_output=True, text=True, check=True).stdout
     except (subprocess.CalledProcessError, FileNotFoundError):
         return None

@@ -24,15 +24,15 @@ from pathlib import Path
 
 import numpy as np
 
-from converters.hf import build_param, hf_shape, hf_tensor_names, our_path, our_tensors
-from converters.loading import (
+from posttrain.models.hf import build_param, hf_shape, hf_tensor_names, our_path, our_tensors
+from posttrain.models.loading import (
     hf_model_config,
     open_hf_checkpoint,
     read_hf_config,
     resolve_model_path,
     tokenizer_next_to,
 )
-from converters.safetensors_io import write_sharded
+from posttrain.models.safetensors_io import write_sharded
 from posttrain.errors import UserError
 
 ASSETS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -228,7 +228,7 @@ def shard_chunks(cfg, mesh_sizes: dict[str, int]) -> dict[tuple, tuple[int, ...]
     from flax import nnx
     from jax.sharding import AbstractMesh
 
-    from converters.loading import abstract_model
+    from posttrain.models.loading import abstract_model
     from posttrain.config import DEFAULT_RULES
     from posttrain.sharding import param_shard_shapes
 
@@ -265,7 +265,7 @@ def hf_to_orbax(src, dst, *, dtype: str | None = None, scan_layers: bool = False
         save_orbax(tmp, params, meta)
         copy_assets(tokenizer_next_to(src) or src, tmp / "tokenizer")
         if verify:
-            from posttrain.train.checkpoint import load_model_from_checkpoint
+            from posttrain.models.loading import load_model_from_checkpoint
 
             compare_logits(load_model_from_checkpoint(tmp, param_dtype="float32",
                                                       compute_dtype="float32"), src)
@@ -274,7 +274,7 @@ def hf_to_orbax(src, dst, *, dtype: str | None = None, scan_layers: bool = False
 
 def orbax_to_hf(src, dst, *, dtype: str | None = None, verify: bool = False) -> Path:
     """Any checkpoint of ours -> an HF directory: LoRA merged, int8 dequantized, layers unstacked."""
-    from converters.export import write_hf_config
+    from posttrain.models.export import write_hf_config
     from posttrain.models.config import ModelConfig
     from posttrain.train.checkpoint import canonical_param
 
@@ -308,7 +308,7 @@ def orbax_to_hf(src, dst, *, dtype: str | None = None, verify: bool = False) -> 
         write_hf_config(tmp, cfg, str(cast or specs[0][2]), extra)
         copy_assets(_assets_dir(ckpt_dir), tmp)
         if verify:
-            from posttrain.train.checkpoint import load_model_from_checkpoint
+            from posttrain.models.loading import load_model_from_checkpoint
 
             compare_logits(load_model_from_checkpoint(src, param_dtype="float32",
                                                       compute_dtype="float32"), tmp)
@@ -381,7 +381,7 @@ def lora_to_hf(src, dst, *, merge: bool = False, dtype: str | None = None,
             base_dir = base or adapter_config["base_model_name_or_path"]
             if not base_dir:
                 raise UserError("--verify: the base model is unknown; pass --base HF_DIR")
-            from posttrain.train.checkpoint import load_model_from_checkpoint
+            from posttrain.models.loading import load_model_from_checkpoint
 
             compare_logits(load_model_from_checkpoint(src, param_dtype="float32",
                                                       compute_dtype="float32"),

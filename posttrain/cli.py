@@ -9,31 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from posttrain.config import add_recipe_arguments, recipes_and_overrides
 from posttrain.errors import UserError
-
-
-def add_recipe_arguments(p: argparse.ArgumentParser, many: bool = False) -> None:
-    """RECIPE then overrides, the same in run, validate and plan: `key.sub=value` positionally
-    or `--set key.sub=value` (repeatable); both may be mixed."""
-    p.add_argument("items", nargs="+", metavar="RECIPE" + (" [RECIPE ...]" if many else "")
-                   + " [key.sub=value ...]", help="recipe file(s), then overrides")
-    p.add_argument("--set", dest="set_overrides", action="append", default=[],
-                   metavar="key.sub=value", help="an override (same as a positional key=value)")
-    p.set_defaults(many_recipes=many)
-
-
-def recipes_and_overrides(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """Split the positional items into recipe files and `key=value` overrides."""
-    from pathlib import Path
-
-    recipes = [a for a in args.items if "=" not in a or Path(a).is_file()]
-    overrides = [a for a in args.items if a not in recipes] + args.set_overrides
-    if not recipes:
-        raise UserError("no recipe given (positional items with '=' are overrides)")
-    if len(recipes) > 1 and not args.many_recipes:
-        raise UserError(f"one recipe expected, got {len(recipes)}: {' '.join(recipes)} "
-                        "(overrides are key.sub=value)")
-    return recipes, overrides
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import difflib
 import math
+import argparse
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from posttrain.errors import UserError
 from posttrain.models.config import PRESETS, ModelConfig
+from posttrain.tools import resolve_tool, tool_schema
 
 
 class Strict(BaseModel):
@@ -664,6 +666,28 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] = ()) -> list[RunC
     return resolve_stages(tree)
 
 
+def add_recipe_arguments(p: argparse.ArgumentParser, many: bool = False) -> None:
+    """RECIPE then overrides, the same in run, validate and plan: `key.sub=value` positionally
+    or `--set key.sub=value` (repeatable); both may be mixed."""
+    p.add_argument("items", nargs="+", metavar="RECIPE" + (" [RECIPE ...]" if many else "")
+                   + " [key.sub=value ...]", help="recipe file(s), then overrides")
+    p.add_argument("--set", dest="set_overrides", action="append", default=[],
+                   metavar="key.sub=value", help="an override (same as a positional key=value)")
+    p.set_defaults(many_recipes=many)
+
+
+def recipes_and_overrides(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """Split the positional items into recipe files and `key=value` overrides."""
+    recipes = [a for a in args.items if "=" not in a or Path(a).is_file()]
+    overrides = [a for a in args.items if a not in recipes] + args.set_overrides
+    if not recipes:
+        raise UserError("no recipe given (positional items with '=' are overrides)")
+    if len(recipes) > 1 and not args.many_recipes:
+        raise UserError(f"one recipe expected, got {len(recipes)}: {' '.join(recipes)} "
+                        "(overrides are key.sub=value)")
+    return recipes, overrides
+
+
 def resolve_stages(tree: dict) -> list[RunConfig]:
     stages = tree.pop("stages", None)
     base = validate_tree(tree)
@@ -784,8 +808,6 @@ def check_agent(a: AgentSection, prefix: str = "") -> None:
     if a.environment is not None and ":" not in a.environment:
         raise UserError(f"{prefix}agent.environment: {a.environment!r} is not module:Class or "
                         "path/to/file.py:Class")
-    from rollout.tools import resolve_tool, tool_schema
-
     for j, t in enumerate(a.tools):
         try:
             tool_schema(resolve_tool(t.fn), t.fn, tuple(t.kwargs))

@@ -59,7 +59,7 @@ def generated_task_of(model_dir):
 
 
 def run_eval(args) -> int:
-    from converters.loading import resolve_model_path
+    from posttrain.models.loading import resolve_model_path
     from posttrain.config import (
         DataSection,
         RewardFunctionSpec,

@@ -50,7 +50,7 @@ from posttrain.rollouts import (
     sample_groups,
 )
 from posttrain.train.loop import prepare_tokenizer, resolve_model_config
-from posttrain.train.trainer import make_trainer
+from posttrain.train.group import make_trainer
 from rollout.episodes import episode_metrics
 
 
@@ -196,7 +196,7 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                 env.close()
             if hasattr(engine, "shutdown"):
                 engine.shutdown()
-    from posttrain.train.checkpoint import load_model_from_checkpoint
+    from posttrain.models.loading import load_model_from_checkpoint
     from posttrain.train.loop import save_hf_export
 
     save_hf_export(load_model_from_checkpoint(run_dir / "checkpoints"), run_dir / "hf", tokenizer)

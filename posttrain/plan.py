@@ -25,7 +25,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from posttrain.config import GPU_KINDS, GPU_SHARE
+from posttrain.config import GPU_KINDS, GPU_SHARE, add_recipe_arguments, recipes_and_overrides
 from posttrain.errors import UserError
 
 GB = 1e9
@@ -107,7 +107,7 @@ def model_config_for_plan(cfg):
     m = cfg.model
     switches = m.switches()
     if m.path and (Path(m.path) / "config.json").is_file():
-        from converters.loading import hf_model_config
+        from posttrain.models.loading import hf_model_config
 
         return hf_model_config(Path(m.path), **switches)
     if m.preset:
@@ -493,8 +493,6 @@ def print_report(r: dict, console=None) -> None:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="per-device memory and sharding plan of a recipe, before hardware")
-    from posttrain.cli import add_recipe_arguments
-
     add_recipe_arguments(p)
     p.add_argument("--devices", type=int, help="devices to plan for (GPU/CPU); default: the mesh's")
     p.add_argument("--topology", help="TPU slice to compile for, e.g. v5p-64 or v5p:2x4x4")
@@ -550,8 +548,6 @@ def _prepare_devices(args) -> None:
 
 
 def _recipe(args) -> tuple[str, list[str]]:
-    from posttrain.cli import recipes_and_overrides
-
     (recipe,), overrides = recipes_and_overrides(args)
     return recipe, overrides
 

@@ -15,6 +15,7 @@ from posttrain.algorithms import grpo as G
 from posttrain.config import RunConfig
 from posttrain.data import generated
 from posttrain.data.dataset import load_rows, locate
+from posttrain.data.packing import packed_rows
 from posttrain.errors import UserError
 
 
@@ -101,7 +102,7 @@ def make_environment(cfg: RunConfig):
         return None
     if a.environment is not None:
         from posttrain.config import check_agent
-        from rewards.registry import load_object
+        from posttrain.plugins import load_object
 
         check_agent(a)  # the spec's form, as `posttrain validate` checks it
         env = load_object(a.environment)(**a.environment_kwargs)
@@ -147,24 +148,6 @@ def shared_prefix_len(rollouts, group_size: int, seq_len: int, bucket: int = 16)
         if any(r.prompt_token_ids[:n] != head for r in rollouts[i + 1:i + group_size]):
             return 0
     return n
-
-
-def packed_rows(lengths: list[int], row_len: int, row_unit: int) -> list[list[int]]:
-    """The sequences (by index) of each row of `row_len` tokens, packed first-fit decreasing;
-    the row count rounded up to a bucket of about B / 8 rows (few shapes compile) that is a
-    multiple of `row_unit` (the rows every micro-batch's shard must divide into)."""
-    rows: list[list[int]] = []
-    free: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        r = next((r for r, f in enumerate(free) if f >= lengths[i]), None)
-        if r is None:
-            r = len(rows)
-            rows.append([])
-            free.append(row_len)
-        rows[r].append(i)
-        free[r] -= lengths[i]
-    bucket = row_unit * max(1, len(lengths) // (8 * row_unit))
-    return rows + [[] for _ in range(-len(rows) % bucket)]
 
 
 def build_batch(rollouts, advantages: np.ndarray, seq_len: int,

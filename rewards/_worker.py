@@ -19,7 +19,7 @@ def worker_main(conn) -> None:
             return
         try:
             if task[0] == "tool":  # one tool call: ("tool", spec, kwargs, arguments)
-                from rollout.tools import call_tool
+                from posttrain.tools import call_tool
 
                 out = call_tool(task[1], task[3], task[2])
             else:

@@ -5,14 +5,14 @@
 - `format_reward`: a regex, or well-formed <think>...</think><answer>...</answer> tags.
 - `exact_match_reward`: the extracted answer equals the ground truth after whitespace stripping.
 - `length_reward`: DAPO's soft overlong penalty, in tokens.
-- `code_reward`: runs the completion's code against test cases in `rewards.sandbox`.
+- `code_reward`: runs the completion's code against test cases in `posttrain.sandbox`.
 """
 
 from __future__ import annotations
 
 import re
 
-from rewards.sandbox import run_many
+from posttrain.sandbox import DEFAULT_ISOLATION, run_many
 
 
 def completion_text(c) -> str:
@@ -113,11 +113,11 @@ def extract_code(text: str) -> str:
 
 
 def code_reward(prompts, completions, *, tests_column: str = "tests", timeout_s: float = 5.0,
-                memory_mb: int = 512, isolation: str = "os", parallel: int | None = None,
+                memory_mb: int = 512, isolation: str = DEFAULT_ISOLATION, parallel: int | None = None,
                 **columns) -> list[float]:
     """Fraction of the row's tests passed. A test is an assert statement (MBPP style) or a
     {"input": stdin, "output": expected stdout} pair. Each completion runs in its own OS sandbox
-    (`rewards.sandbox`; `isolation: process` is the weaker fallback), `parallel` at a time
+    (`posttrain.sandbox`; `isolation: process` is the weaker fallback), `parallel` at a time
     (default: one per core), with `timeout_s` of wall time for all its tests."""
     tests = _truths(columns, tests_column, len(completions))
     codes = [extract_code(completion_text(c)) for c in completions]

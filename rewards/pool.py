@@ -101,7 +101,7 @@ class RewardPool(_Pool):
         for spec in cfg.functions:  # resolve now so that a bad spec fails at start-up, in the parent
             resolve(spec.fn, spec.adapter)
             if spec.fn == "code":  # refuse now, not on the first batch, if the sandbox cannot start
-                from rewards.sandbox import check_isolation, default_isolation
+                from posttrain.sandbox import check_isolation, default_isolation
 
                 check_isolation(spec.kwargs.get("isolation", default_isolation()))
         self._ctx = mp.get_context("spawn")

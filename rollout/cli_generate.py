@@ -19,7 +19,7 @@ def find_tokenizer_dir(model: Path) -> Path:
 
 
 def run_generate(args) -> int:
-    from converters.loading import resolve_model_path
+    from posttrain.models.loading import resolve_model_path
     from posttrain.data.tokenizer import load_tokenizer
     from rollout.engine import SamplingParams
 
@@ -72,7 +72,7 @@ def _generate(args, model_dir: Path, tok, ids, sp):
 
         hf_dir = model_dir
         if not (model_dir / "config.json").is_file():  # an Orbax checkpoint: export once
-            from converters.export import save_hf
+            from posttrain.models.export import save_hf
             from posttrain.models import from_pretrained
 
             hf_dir = Path(tempfile.mkdtemp(prefix="posttrain-generate-"))

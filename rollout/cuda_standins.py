@@ -82,7 +82,7 @@ class GlooComm:
     """`PyNcclCommunicator`'s broadcast and destroy over a gloo group."""
 
     def __init__(self, host: str, port: int, rank: int, world: int, timeout_s: float = 300.0):
-        from rollout.transfer import collective_group
+        from rollout.buckets import collective_group
 
         self.pg, self.rank, self.world = collective_group(host, port, rank, world, timeout_s), rank, world
 

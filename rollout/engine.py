@@ -76,6 +76,35 @@ class RolloutEngine(Protocol):
         probe every sync ends with (`rollout.weight_sync.check_probe`)."""
 
 
+# The weight-sync probe (`rollout.weight_sync.check_probe`), answered by every engine in its own
+# process. The sampling probe: prefixes of the probe sequences, generated from at temperature 1 with the
+# full-softmax log-probs (what the trainer's re-score computes). The JAX engine has two
+# prefills, so syncs alternate between two requests (each path is checked at least every
+# second sync, at half the cost of both every time): at even versions a few prompts sampled
+# twice each (the plain prefill, its cache repeated per sample; 32 new tokens decode in two
+# phases over a cache grown in between, `rollout.jax_engine.phase_ends`), at odd versions many
+# short prompts once each (packed several to a row).
+PROBE_NEW_TOKENS = 32
+
+
+def sampling_request(sequences: list[list[int]], version: int) -> tuple[list[list[int]], SamplingParams]:
+    sp = dict(temperature=1.0, ignore_eos=True, logprobs="full", seed=0x9E0BE + version)
+    if version % 2 == 0:
+        return ([s[:8 + 2 * i] for i, s in enumerate(sequences)],
+                SamplingParams(n=2, max_tokens=PROBE_NEW_TOKENS, **sp))
+    return ([s[:k] for s in sequences for k in (3, 5, 7, 9)],
+            SamplingParams(n=1, max_tokens=PROBE_NEW_TOKENS // 2, **sp))
+
+
+def engine_probe(eng, sequences: list[list[int]], version: int, sampling: bool = True) -> dict:
+    """One engine's answer to the probe of `version`, in the engine's process: its tolerance,
+    its teacher-forced scores, and (with `sampling`) what its sampling path generated."""
+    out = {"tolerance": eng.probe_tolerance, "scores": eng.score(sequences), "sampled": []}
+    if sampling:
+        out["sampled"] = eng.generate(*sampling_request(sequences, version))
+    return out
+
+
 def stop_string_cut(text_of, token_ids: list[int], stop: Sequence[str]) -> tuple[int, str] | None:
     """Where a completion ends at its first stop string: (number of tokens kept, text), or None
     when no stop string occurs. The string itself is left out of the text, as vLLM does; the

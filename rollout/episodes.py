@@ -23,7 +23,7 @@ placements batch as they do for single-turn rollouts.
 
 An environment (`Environment`) gives an episode's first messages from its dataset row and
 answers each model turn with new messages, or None to end it. `ToolEnvironment` is the common
-case: the recipe's tools, called in the model's syntax (`rollout.tools`), run in worker
+case: the recipe's tools, called in the model's syntax (`posttrain.tools`), run in worker
 processes (`rewards.pool.ToolPool`: per-call timeout, a raise or hang becomes an error message
 to the model and a count, never a stopped batch); a turn without a call ends the episode.
 """
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 
 from posttrain.errors import UserError
 from rollout.engine import Rollout, SamplingParams
-from rollout.tools import PARSERS, ToolCall, resolve_tool, tool_schema
+from posttrain.tools import PARSERS, ToolCall, resolve_tool, tool_schema
 
 
 class TemplateNotPrefixStable(UserError):
@@ -84,7 +84,7 @@ class ToolSpec:
 
 class ToolEnvironment(Environment):
     """The model calls tools; each call's result comes back as a `tool` message. A turn with no
-    call is the final answer. A malformed call (`rollout.tools` parser), an unknown tool, a tool
+    call is the final answer. A malformed call (`posttrain.tools` parser), an unknown tool, a tool
     that raises or hangs: the model reads an error message in the tool's place, and it is
     counted (`tools/malformed`, `tools/unknown`, `tools/errors`, `tools/timeouts`)."""
 

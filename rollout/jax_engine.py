@@ -23,8 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from posttrain.data.packing import packed_rows
+from posttrain.models.export import host_array
+from posttrain.models.hf import our_path, our_tensors
+from posttrain.models.loading import set_params
 from posttrain.models.transformer import CausalLM, KVCache
 from posttrain.train.step import token_logprobs
+from rollout.buckets import Digest
 from rollout.engine import Rollout, SamplingParams, stop_string_cut
 from rollout.sampling import sample
 
@@ -129,8 +134,6 @@ def pack_prompts(prompts: list[list[int]], rows: int, row_len: int) -> dict | No
     where each prompt lies (`row`, `offset`); the row count bucketed to a multiple of 8. None
     when that saves fewer than a quarter of the `rows` x `row_len` positions the plain prefill
     runs (a GRPO batch's few distinct prompts, prompts near the bucket's length)."""
-    from posttrain.rollouts import packed_rows
-
     layout = [r for r in packed_rows([len(p) for p in prompts], row_len, 1) if r]
     n_rows = bucket_mult(len(layout), 8)
     if n_rows > 0.75 * rows:
@@ -200,8 +203,6 @@ def score_sequences(model_or_split, sequences: Sequence[Sequence[int]]) -> list[
     lens = np.ones((tokens.shape[0],), np.int32)
     for i, s in enumerate(sequences):
         tokens[i, :len(s)], lens[i] = s, len(s)
-    from converters.export import host_array
-
     lp = host_array(_score(graphdef, state, jnp.asarray(tokens), jnp.asarray(lens)))
     return [lp[i, :len(s) - 1].tolist() for i, s in enumerate(sequences)]
 
@@ -302,9 +303,6 @@ class JaxEngine:
         """Begin a streamed update: tensors arrive by HF name in any grouping (`load_weights`),
         each stacked parameter is assembled as its layers arrive, and `finish_weight_update`
         swaps the new parameters in at once (no request sees half of them)."""
-        from converters.hf import our_tensors
-        from rollout.transfer import Digest
-
         self._targets = our_tensors(self.cfg)
         self._incoming, self._ready = {}, {}
         self._digest = Digest() if check_digest else None
@@ -314,8 +312,6 @@ class JaxEngine:
         long as they are referenced (Ray's shared memory): on CPU a parameter that needs no
         transpose or cast then wraps that memory (DLPack, no copy), so every worker on a node
         serves one shared copy of the weights; otherwise each is copied."""
-        from converters.hf import our_path
-
         for name, arr in tensors:
             if self._digest is not None:
                 self._digest.update([(name, arr)])
@@ -338,8 +334,6 @@ class JaxEngine:
     def finish_weight_update(self, version: int) -> str | None:
         """Swap the received parameters in; every one must have arrived in full. Returns the
         digest of what was loaded when `start_weight_update` asked for it."""
-        from converters.loading import set_params
-
         missing = sorted(".".join(map(str, p)) for p in self._targets if p not in self._ready)
         if missing:
             raise RuntimeError(f"weight update to version {version} incomplete: "

@@ -1,6 +1,6 @@
 """vLLM as a rollout engine, in this process, with weights written in place after each update.
 
-The engine is a `vllm.LLM` over an HF directory (ours: `converters.export.save_hf`). After an
+The engine is a `vllm.LLM` over an HF directory (ours: `posttrain.models.export.save_hf`). After an
 update, new tensors go straight into the loaded model through
 `llm.collective_rpc(lambda worker: worker.model_runner.reload_weights(weights_iterator=...))`
 -- never a reload from disk -- then the prefix cache is reset so no stale KV is reused. Built with
@@ -29,9 +29,28 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from rollout.buckets import Digest
 from rollout.engine import Rollout, SamplingParams
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the model reachable in-process
+
+
+MIN_VLLM = (0, 32)
+
+
+def require_weight_transfer() -> None:
+    """vLLM's weight-transfer engines (0.32 and later), or a clear error."""
+    import vllm
+
+    version = tuple(int(p) for p in vllm.__version__.split(".")[:2] if p.isdigit())
+    try:
+        from vllm.distributed.weight_transfer import WeightTransferEngineFactory  # noqa: F401
+    except ImportError:
+        version = (0, 0)
+    if version < MIN_VLLM:
+        raise RuntimeError(f"rollout.transport vllm_ipc / vllm_nccl use vLLM's weight-transfer "
+                           f"engines (vllm.distributed.weight_transfer, vLLM >= "
+                           f"{'.'.join(map(str, MIN_VLLM))}); this is vLLM {vllm.__version__}")
 
 
 def cpu_kv_cache(gpu_memory_utilization: float) -> dict:
@@ -59,8 +78,6 @@ class VllmEngine:
 
         extra = {"enable_expert_parallel": True} if enable_expert_parallel else {}
         if weight_transfer is not None:
-            from rollout.vllm_transfer import require_weight_transfer
-
             require_weight_transfer()
             # the model in processes of vLLM's own; the sampler wrap below and the CPU refresh
             # after a transfer reach them as functions through collective_rpc
@@ -101,8 +118,6 @@ class VllmEngine:
         cost nothing to hold at once (views of the trainer's buffers)."""
         import torch
 
-        from rollout.transfer import Digest
-
         tensors = [(name, _to_torch(arr)) for name, arr in tensors]
         self._digest = Digest().update(tensors) if check_digest else None
 
@@ -120,8 +135,6 @@ class VllmEngine:
         """Begin a streamed update, as vLLM's own weight-transfer engines do: layerwise reload
         state initialized, then `load_weights` per bucket, `finish_weight_update` processes
         the loaded layers (repacking for the CPU kernels included)."""
-        from rollout.transfer import Digest
-
         self._digest = Digest() if check_digest else None
         self.llm.collective_rpc(_start_reload)
 

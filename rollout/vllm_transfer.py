@@ -23,7 +23,7 @@ calls of vLLM's `VLLMWeightSyncClient`: `init_weight_transfer_engine` (once), th
   `WeightSource`. Each Ray worker is a vLLM deployment of its own, so the group's client gives
   worker k the ranks after the first k deployments (`GroupClient`).
 
-The tensors are the exporter's (`rollout.transfer.Exporter`): HF names, effective weights (LoRA
+The tensors are the exporter's (`rollout.buckets.Exporter`): HF names, effective weights (LoRA
 merged, int8 dequantized), in the engine's dtype. Every sync still ends with the probe check.
 Calls that need CUDA or NCCL go through `_cuda` (`device_uuid`, `ipc_share`, `staging`), and
 `rollout.cuda_standins` replaces them on CPU for tests and the GPU script's dry run.
@@ -37,30 +37,14 @@ from dataclasses import asdict
 import numpy as np
 
 from posttrain import faults
-from rollout.transfer import Exporter, Transport, _free_address, plan_buckets
+from rollout.buckets import Exporter, Transport, free_address, plan_buckets
+from rollout.vllm_engine import require_weight_transfer
+from rollout.worker import WorkerGroup
 
 try:
     from vllm.distributed.weight_transfer import WeightSource
 except ImportError:  # vLLM < 0.32: `require_weight_transfer` says so when a transport is made
     WeightSource = object
-
-MIN_VLLM = (0, 32)
-
-
-def require_weight_transfer() -> None:
-    """vLLM's weight-transfer engines (0.32 and later), or a clear error."""
-    import vllm
-
-    version = tuple(int(p) for p in vllm.__version__.split(".")[:2] if p.isdigit())
-    try:
-        from vllm.distributed.weight_transfer import WeightTransferEngineFactory  # noqa: F401
-    except ImportError:
-        version = (0, 0)
-    if version < MIN_VLLM:
-        raise RuntimeError(f"rollout.transport vllm_ipc / vllm_nccl use vLLM's weight-transfer "
-                           f"engines (vllm.distributed.weight_transfer, vLLM >= "
-                           f"{'.'.join(map(str, MIN_VLLM))}); this is vLLM {vllm.__version__}")
-
 
 # ---- the control plane: vLLM's four calls, into one engine or a group of Ray workers ------------
 class EngineClient:
@@ -121,8 +105,6 @@ class GroupClient(EngineClient):
 
 
 def client_for(target, ranks: int = 1) -> EngineClient:
-    from rollout.worker import WorkerGroup
-
     return GroupClient(target, ranks) if isinstance(target, WorkerGroup) else EngineClient(target)
 
 
@@ -347,7 +329,7 @@ class VllmNCCL(_VllmTransport):
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-        host, port = _free_address()
+        host, port = free_address()
         self.source = ExporterSource(self.device)
         self.source.exporter = exporter
         info = NCCLTrainerInitInfo(master_address=host, master_port=port,

@@ -5,7 +5,7 @@ checkpoints can take them, bucket by bucket over a transport (`rollout.transfer`
 - colocated JAX engine: the NNX state itself (same model code, nothing converted or copied);
 - colocated vLLM engine: torch views over the JAX buffers through DLPack (no copy on CPU);
 - Ray workers (disaggregated): packed buckets through Ray's object store (pipelined) or a gloo
-  broadcast from the trainer's process (`rollout.transport`);
+  broadcast from the trainer's process (`rollout.transfer`);
 - vLLM in processes of its own (GPUs): vLLM's weight-transfer engines, CUDA IPC when colocated,
   NCCL to Ray workers (`rollout.vllm_transfer`).
 Every engine confirms the version it now serves, and then proves it serves the trainer's weights
@@ -33,17 +33,21 @@ import jax
 import numpy as np
 from flax import nnx
 
-from converters.export import EffectiveParams
 from posttrain import faults
-from converters.hf import nnx_to_hf
 from posttrain.models.config import ModelConfig
+from posttrain.models.export import EffectiveParams
+from posttrain.models.hf import nnx_to_hf
+from rollout.buckets import DEFAULT_BUCKET_BYTES, Exporter, export_digest
+from rollout.engine import engine_probe
+from rollout.jax_engine import JaxEngine, score_sequences
+from rollout.transfer import make_transport
+from rollout.worker import WorkerGroup
 
 
 def hf_torch_views(state: nnx.State, cfg: ModelConfig, lora_scale: float | None = None) -> dict:
     """HF name -> the exporter's in-process view of each tensor (a torch view over the JAX
     buffer where a transpose is due, the JAX array itself otherwise: no copy on CPU; a merged
     LoRA or dequantized int8 kernel is a new array)."""
-    from rollout.transfer import Exporter
 
     exporter = Exporter(state, cfg, lora_scale=lora_scale)
     return {name: v for _, views in exporter.views() for name, v in views}
@@ -70,38 +74,7 @@ def probe_gap(got: list[list[float]], want: list[list[float]]) -> float:
     return max(float(np.max(np.abs(np.asarray(g) - np.asarray(w)))) for g, w in zip(got, want))
 
 
-# The sampling probe: prefixes of the probe sequences, generated from at temperature 1 with the
-# full-softmax log-probs (what the trainer's re-score computes). The JAX engine has two
-# prefills, so syncs alternate between two requests (each path is checked at least every
-# second sync, at half the cost of both every time): at even versions a few prompts sampled
-# twice each (the plain prefill, its cache repeated per sample; 32 new tokens decode in two
-# phases over a cache grown in between, `rollout.jax_engine.phase_ends`), at odd versions many
-# short prompts once each (packed several to a row).
-PROBE_NEW_TOKENS = 32
-
-
-def sampling_request(sequences: list[list[int]], version: int) -> tuple[list[list[int]], "SamplingParams"]:
-    from rollout.engine import SamplingParams
-
-    sp = dict(temperature=1.0, ignore_eos=True, logprobs="full", seed=0x9E0BE + version)
-    if version % 2 == 0:
-        return ([s[:8 + 2 * i] for i, s in enumerate(sequences)],
-                SamplingParams(n=2, max_tokens=PROBE_NEW_TOKENS, **sp))
-    return ([s[:k] for s in sequences for k in (3, 5, 7, 9)],
-            SamplingParams(n=1, max_tokens=PROBE_NEW_TOKENS // 2, **sp))
-
-
-def engine_probe(eng, sequences: list[list[int]], version: int, sampling: bool = True) -> dict:
-    """One engine's answer to the probe of `version`, in the engine's process: its tolerance,
-    its teacher-forced scores, and (with `sampling`) what its sampling path generated."""
-    out = {"tolerance": eng.probe_tolerance, "scores": eng.score(sequences), "sampled": []}
-    if sampling:
-        out["sampled"] = eng.generate(*sampling_request(sequences, version))
-    return out
-
-
 def _engine_probes(eng, sequences, version: int, sampling: bool) -> list[tuple[str, dict]]:
-    from rollout.worker import WorkerGroup
 
     if isinstance(eng, WorkerGroup):
         return eng.probes(sequences, version, sampling)
@@ -126,7 +99,6 @@ def check_probe(engines, model, sequences: list[list[int]], version: int,
     its tolerance. Without `sampling`, the teacher-forced check alone (the probe before the
     sampling path was added)."""
     t0 = time.perf_counter()
-    from rollout.jax_engine import score_sequences
 
     def trainer_scores(seqs):
         return score_sequences(model, seqs) if isinstance(model, nnx.Module) else model(seqs)
@@ -173,9 +145,6 @@ def push(engines, state, cfg: ModelConfig, version: int, *, probe=None,
     `lora_scale`, int8 dequantized) in their layout and dtype; the colocated JAX engine runs
     the trainer's own modules on its state. With `check_digest` every engine also hashes what
     it loaded and the hash must equal the exporter's (`sync/digest_ok`): bitwise delivery."""
-    from rollout.jax_engine import JaxEngine
-    from rollout.transfer import DEFAULT_BUCKET_BYTES, Exporter, export_digest, make_transport
-    from rollout.worker import WorkerGroup
 
     trainer = None if isinstance(state, nnx.State) else state
     if trainer is not None:

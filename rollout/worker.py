@@ -23,7 +23,8 @@ import numpy as np
 import ray
 
 from posttrain.errors import warn
-from rollout.engine import Rollout, SamplingParams
+from rollout.buckets import broadcast, collective_group, unpack
+from rollout.engine import Rollout, SamplingParams, engine_probe
 
 
 def build_engine(spec: dict[str, Any]):
@@ -62,8 +63,6 @@ class RolloutWorker:
         return self.engine.version
 
     def probe(self, sequences, version: int, sampling: bool = True) -> dict:
-        from rollout.weight_sync import engine_probe
-
         return engine_probe(self.engine, sequences, version, sampling)
 
     def pid(self) -> int:
@@ -78,21 +77,15 @@ class RolloutWorker:
 
     def load_bucket(self, meta, bucket) -> None:
         """`bucket`: a packed buffer, or the bucket's (name, array) list."""
-        from rollout.transfer import unpack
-
         if isinstance(bucket, list):  # from the object store: immutable shared memory
             self.engine.load_weights(bucket, self.engine.weight_layout, borrow=True)
         else:
             self.engine.load_weights(unpack(meta, bucket), self.engine.weight_layout)
 
     def init_collective(self, host: str, port: int, rank: int, world: int, timeout_s: float) -> None:
-        from rollout.transfer import collective_group
-
         self.pg = collective_group(host, port, rank, world, timeout_s)
 
     def recv_bucket(self, meta) -> None:
-        from rollout.transfer import broadcast
-
         # One receive buffer, kept, when the engine copies out of it before the next bucket
         # comes (JAX). vLLM's layerwise reload may hold a layer's tensors until the layer is
         # complete: a fresh buffer per bucket (reusing one served a corrupted model, which the
@@ -150,7 +143,7 @@ class WorkerGroup:
         return ray.get([w.version.remote() for w in self.workers])
 
     def probes(self, sequences, version: int, sampling: bool = True) -> list[tuple[str, dict]]:
-        """Every serving worker's answer to the probe (`rollout.weight_sync.engine_probe`), by
+        """Every serving worker's answer to the probe (`rollout.engine.engine_probe`), by
         name."""
         live = [i for i in range(len(self.workers)) if i not in self.stale]
         got = ray.get([self.workers[i].probe.remote(sequences, version, sampling) for i in live])

@@ -153,7 +153,8 @@ def test_a_trainer_group_is_checked_against_placement_transport_and_mesh(tmp_pat
 
 @pytest.mark.parametrize("command", ["run", "validate", "plan"])
 def test_run_validate_and_plan_take_overrides_in_the_same_forms(command):
-    from posttrain.cli import build_parser, recipes_and_overrides
+    from posttrain.cli import build_parser
+    from posttrain.config import recipes_and_overrides
 
     args, extra = build_parser().parse_known_args(
         [command, "recipes/sft_tiny.yaml", "train.steps=5", "--set", "seed=2"])

@@ -112,7 +112,7 @@ def part_sft(out: Path, dry: bool) -> dict:
 
 def save_model(cfg, path: Path, dtype: str) -> Path:
     """A random model of `cfg` as an HF directory, with a small locally trained tokenizer."""
-    from converters.export import save_hf
+    from posttrain.models.export import save_hf
     from posttrain.data import generated
     from posttrain.data.tokenizer import train_bpe
     from posttrain.models import build_model

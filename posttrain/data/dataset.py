@@ -67,9 +67,11 @@ def load_rows(source: str, split: str, data: DataSection):
         return generated.rows_for(g, data.format, split, n)
     p = Path(source)
     split = data.split if split == "train" else data.eval_split
+    if p.is_file() and _blank(p):  # `datasets` would fail with a bare StopIteration
+        raise UserError(f"{source}: no rows")
     try:
         with _quiet_datasets():
-            return _load(source, p, split)
+            rows = _load(source, p, split)
     except UserError:
         raise
     except FileNotFoundError as e:
@@ -79,6 +81,16 @@ def load_rows(source: str, split: str, data: DataSection):
         if why:
             raise UserError(f"{source}: {why}") from None
         raise UserError(f"{source}: cannot load dataset: {type(e).__name__}: {e}") from None
+    if len(rows) == 0:
+        raise UserError(f"{source}: no rows" + ("" if p.is_file() else f" in split {split!r}"))
+    return rows
+
+
+def _blank(p: Path, limit: int = 1 << 20) -> bool:
+    """A file with nothing but whitespace (an empty JSONL file, say); large files are not."""
+    if p.stat().st_size > limit:
+        return False
+    return not p.read_bytes().strip()
 
 
 @contextlib.contextmanager

@@ -65,3 +65,21 @@ def pack_rows(examples: list[tuple[list[int], list[int]]], rows: int, seq_len: i
     batch = {"tokens": tokens, "targets": targets, "positions": pos, "segment_ids": seg,
              "loss_mask": loss_mask.astype(np.float32)}
     return batch, used
+
+
+def packed_rows(lengths: list[int], row_len: int, row_unit: int) -> list[list[int]]:
+    """The sequences (by index) of each row of `row_len` tokens, packed first-fit decreasing;
+    the row count rounded up to a bucket of about B / 8 rows (few shapes compile) that is a
+    multiple of `row_unit` (the rows every micro-batch's shard must divide into)."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        r = next((r for r, f in enumerate(free) if f >= lengths[i]), None)
+        if r is None:
+            r = len(rows)
+            rows.append([])
+            free.append(row_len)
+        rows[r].append(i)
+        free[r] -= lengths[i]
+    bucket = row_unit * max(1, len(lengths) // (8 * row_unit))
+    return rows + [[] for _ in range(-len(rows) % bucket)]

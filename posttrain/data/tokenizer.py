@@ -7,13 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from posttrain.errors import UserError
+from posttrain.tools import calculator, tool_schema
 
 EOS = "<|endoftext|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL = [EOS, IM_START, IM_END]
 # ChatML, as Qwen uses; {% generation %} marks assistant tokens for return_assistant_tokens_mask.
 # With `tools`, a system turn lists their JSON schemas first; an assistant message's `tool_calls`
-# are written as Qwen3 / Hermes `<tool_call>` blocks (what `rollout.tools.parse_hermes` reads) and
+# are written as Qwen3 / Hermes `<tool_call>` blocks (what `posttrain.tools.parse_hermes` reads) and
 # a `tool` message is its own turn. Earlier turns are rendered verbatim: the template is prefix-
 # stable, so a multi-turn episode's tokens are the template's (`rollout.episodes`).
 CHAT_TEMPLATE = (
@@ -38,8 +39,6 @@ CHAT_TEMPLATE = (
 
 def calculator_schema() -> dict:
     """The JSON schema of the built-in calculator tool, as the chat template shows it."""
-    from rollout.tools import calculator, tool_schema
-
     return tool_schema(calculator, "calculator")
 
 

@@ -15,7 +15,7 @@ def build_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:
 
 def from_pretrained(path, **overrides):
     """Load an HF safetensors directory or an Orbax checkpoint directory; returns a CausalLM."""
-    from converters.loading import load_model
+    from posttrain.models.loading import load_model
 
     return load_model(path, **overrides)
 

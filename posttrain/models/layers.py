@@ -21,7 +21,6 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from posttrain.models.config import ModelConfig
-from posttrain.sharding import constrain
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # A large finite negative rather than -inf keeps fully-masked rows (padding queries) NaN-free.
@@ -335,28 +334,3 @@ def _swiglu_bwd(res, d_out):
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
-
-
-class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        pd = DTYPES[cfg.param_dtype]
-        self.self_attn = Attention(cfg, rngs)
-        if cfg.is_moe:
-            from posttrain.models.qwen3_moe import SparseMoeBlock
-
-            self.mlp = SparseMoeBlock(cfg, rngs)
-        else:
-            self.mlp = MLP(cfg, rngs)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
-
-    def __call__(self, x, pos, seg, rope: Rope, kv=None):
-        """-> (x, new kv, router stats: {} for a dense MLP)."""
-        h, new_kv = self.self_attn(self.input_layernorm(x), pos, seg, rope, kv)
-        x = x + h
-        if isinstance(self.mlp, MLP):
-            h, stats = self.mlp(self.post_attention_layernorm(x)), {}
-        else:
-            h, stats = self.mlp(self.post_attention_layernorm(x), seg != 0)
-        x = x + h
-        return constrain(x, ACT_AXES), new_kv, stats

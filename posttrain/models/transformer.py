@@ -17,8 +17,9 @@ from flax import nnx
 
 from posttrain.models.config import ModelConfig
 from posttrain.sharding import constrain
-from posttrain.models.layers import (ACT_AXES, DTYPES, DecoderLayer, LayerKV, RMSNorm, _init,
-                                     rope_inv_freq, rope_tables)
+from posttrain.models.layers import (ACT_AXES, DTYPES, MLP, Attention, LayerKV, RMSNorm, Rope,
+                                     _init, rope_inv_freq, rope_tables)
+from posttrain.models.qwen3_moe import SparseMoeBlock, router_losses
 
 REMAT_POLICIES = {
     "none": None,
@@ -28,6 +29,26 @@ REMAT_POLICIES = {
     "save_qkv_proj": jax.checkpoint_policies.save_only_these_names("qkv_proj"),
     "save_out_proj": jax.checkpoint_policies.save_only_these_names("out_proj"),
 }
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = DTYPES[cfg.param_dtype]
+        self.self_attn = Attention(cfg, rngs)
+        self.mlp = SparseMoeBlock(cfg, rngs) if cfg.is_moe else MLP(cfg, rngs)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+
+    def __call__(self, x, pos, seg, rope: Rope, kv=None):
+        """-> (x, new kv, router stats: {} for a dense MLP)."""
+        h, new_kv = self.self_attn(self.input_layernorm(x), pos, seg, rope, kv)
+        x = x + h
+        if isinstance(self.mlp, MLP):
+            h, stats = self.mlp(self.post_attention_layernorm(x)), {}
+        else:
+            h, stats = self.mlp(self.post_attention_layernorm(x), seg != 0)
+        x = x + h
+        return constrain(x, ACT_AXES), new_kv, stats
 
 
 class KVCache(NamedTuple):
@@ -238,7 +259,5 @@ class CausalLM(nnx.Module):
         x, cache, stats = self._hidden_states(tokens_bt, positions_bt, segment_ids_bt, cache)
         out = self._lm_head(x) if head is None else head(x, self._lm_head)
         if with_router_losses:
-            from posttrain.models.qwen3_moe import router_losses
-
             return out, router_losses(self.cfg, stats)
         return out if cache is None else (out, cache)

@@ -369,22 +369,3 @@ def canonical_params(flat: dict[str, np.ndarray], lora_scale: float | None) -> d
     that any checkpoint of ours loads as an ordinary model."""
     return {_path(stem): canonical_param(flat.__getitem__, flat, stem, lora_scale)
             for stem in param_stems(flat)}
-
-
-def load_model_from_checkpoint(path: str | Path, **overrides) -> nnx.Module:
-    """An ordinary model from one of our checkpoints, whatever its layer layout, LoRA or int8."""
-    from converters.hf import hf_to_nnx, nnx_to_hf
-    from converters.loading import abstract_model, set_params
-    from posttrain.models.config import ModelConfig
-
-    ckpt_dir, step = find_checkpoint(path)
-    meta = read_meta(ckpt_dir, step)
-    saved = ModelConfig.model_validate(meta["model_config"])
-    cfg = saved.model_copy(update=overrides)
-    lora = meta.get("lora") or {}
-    scale = lora["alpha"] / lora["rank"] if lora.get("rank") else None
-    params = canonical_params(restore_params_flat(ckpt_dir, step), scale)
-    if cfg.scan_layers != saved.scan_layers:  # re-layout through the HF names
-        hf = dict(nnx_to_hf(saved, params))
-        params = hf_to_nnx(cfg, hf.__getitem__)
-    return set_params(abstract_model(cfg), params)

@@ -45,6 +45,7 @@ import ray
 from posttrain.config import RunConfig
 from posttrain.errors import ClusterError, UserError, warn
 from posttrain.models.config import ModelConfig
+from posttrain.train.trainer import Trainer
 
 # Fault injection for tests: the rank that never calls jax.distributed.initialize.
 SKIP_JOIN_ENV = "POSTTRAIN_TEST_SKIP_JOIN_RANK"
@@ -88,8 +89,6 @@ class TrainerHost:
                 "local_devices": jax.local_device_count(), "backend": jax.default_backend()}
 
     def build(self, cfg: RunConfig, run_dir: str, model_cfg: ModelConfig, loss_fn) -> None:
-        from posttrain.train.trainer import Trainer
-
         self.trainer = Trainer(cfg, Path(run_dir), model_cfg, loss_fn)
 
     def call(self, method: str, *args, **kw):
@@ -376,3 +375,10 @@ class GroupExporter:
 
     def buckets(self, buffers=None):
         raise NotImplementedError("a trainer group exports through the object store")
+
+
+def make_trainer(cfg: RunConfig, run_dir: Path, model_cfg: ModelConfig, loss_fn=None):
+    """`Trainer` in this process, or a `TrainerGroup` of `trainer.hosts` Ray actors."""
+    if cfg.trainer.hosts > 1:
+        return TrainerGroup(cfg, run_dir, model_cfg, loss_fn)
+    return Trainer(cfg, run_dir, model_cfg, loss_fn)

@@ -12,23 +12,19 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from converters.loading import hf_model_config, resolve_model_path, tokenizer_next_to
 from posttrain import faults, watchdog
 from posttrain.config import RunConfig
 from posttrain.data import generated
 from posttrain.data.dataset import Encoder, PackedBatches, load_rows
 from posttrain.data.tokenizer import load_tokenizer, train_bpe
 from posttrain.errors import UserError
-from posttrain.models import qwix_apply
 from posttrain.models.config import ModelConfig
-from posttrain.models.transformer import CausalLM
-from posttrain.sharding import state_shardings
+from posttrain.models.loading import hf_model_config, resolve_model_path, tokenizer_next_to
 from posttrain.train.checkpoint import find_checkpoint, read_meta
+from posttrain.train.group import make_trainer
 from posttrain.train.step import next_token_loss
 
 
@@ -69,49 +65,9 @@ def resolve_model_config(cfg: RunConfig, tokenizer) -> ModelConfig:
     return base.model_copy(update=dict(vocab_size=vocab, **switches))
 
 
-def create_model(cfg: RunConfig, model_cfg: ModelConfig, mesh) -> CausalLM:
-    """Random init directly into the sharded layout, or the checkpoint at model.path."""
-    rules = cfg.mesh.rules
-    if cfg.model.path is None:
-        abstract = nnx.eval_shape(lambda: CausalLM(model_cfg, nnx.Rngs(cfg.seed)))
-        shardings = state_shardings(nnx.state(abstract), mesh, rules)
-
-        @jax.jit
-        def init():
-            return nnx.state(CausalLM(model_cfg, nnx.Rngs(cfg.seed)))
-
-        graphdef = nnx.graphdef(abstract)
-        state = jax.jit(init, out_shardings=shardings)()
-        model = nnx.merge(graphdef, state)
-    else:
-        from converters.loading import load_model
-
-        model = load_model(cfg.model.path, **{k: getattr(model_cfg, k) for k in (
-            "scan_layers", "remat", "param_dtype", "compute_dtype")})
-        state = nnx.state(model)
-        nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
-    lora = cfg.model.lora
-    if lora.rank:
-        import qwix
-
-        provider = qwix.LoraProvider(module_path=lora.target_modules, rank=lora.rank,
-                                     alpha=lora.alpha, dropout=lora.dropout,
-                                     weight_qtype=jnp.int8 if lora.int8_base else None)
-        model = qwix_apply(model, provider, rngs=nnx.Rngs(params=cfg.seed, dropout=cfg.seed))
-        state = nnx.state(model)
-        nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
-    if cfg.model.quantization == "int8":
-        import qwix
-
-        provider = qwix.QtProvider([qwix.QtRule(module_path=r".*_proj|lm_head",
-                                                weight_qtype=jnp.int8, act_qtype=jnp.int8)])
-        model = qwix_apply(model, provider)
-    return model
-
-
 def save_hf_export(model: nnx.Module, out: Path, tokenizer) -> None:
     """Write RUN_DIR/hf: config.json + model.safetensors + tokenizer, loadable by transformers/vLLM."""
-    from converters.export import save_hf
+    from posttrain.models.export import save_hf
 
     save_hf(model, out)
     tokenizer.save_pretrained(out)
@@ -124,7 +80,6 @@ def save_hf_export(model: nnx.Module, out: Path, tokenizer) -> None:
 # ---- the loop --------------------------------------------------------------------------------
 def train_language_model(cfg: RunConfig, run_dir: Path, loss_fn=next_token_loss) -> dict:
     from posttrain.tracking import Tracker
-    from posttrain.train.trainer import make_trainer
 
     tokenizer = prepare_tokenizer(cfg, run_dir)
     model_cfg = resolve_model_config(cfg, tokenizer)
@@ -196,7 +151,7 @@ def train_language_model(cfg: RunConfig, run_dir: Path, loss_fn=next_token_loss)
         trainer.close()
     if cfg.model.quantization == "none":
         # The HF export is the plain model: LoRA merged, an int8 base dequantized.
-        from posttrain.train.checkpoint import load_model_from_checkpoint
+        from posttrain.models.loading import load_model_from_checkpoint
 
         save_hf_export(load_model_from_checkpoint(run_dir / "checkpoints"), run_dir / "hf",
                        tokenizer)

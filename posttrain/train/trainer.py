@@ -29,18 +29,23 @@ import numpy as np
 from flax import nnx
 
 from posttrain.config import RunConfig
+from posttrain.models import qwix_apply
 from posttrain.models.config import ModelConfig
-from posttrain.sharding import batch_shards, batch_sharding, make_mesh, shard_batch, use_mesh
+from posttrain.models.export import host_array, save_hf
+from posttrain.models.loading import load_model
+from posttrain.models.transformer import CausalLM
+from posttrain.sharding import (batch_shards, batch_sharding, make_mesh, shard_batch, state_shardings,
+                                use_mesh)
 from posttrain.train.checkpoint import Checkpointer, restore_train_state, save_train_state
 from posttrain.train.optimizer import init_opt_state, lr_schedule, make_optimizer
 from posttrain.train.step import TrainState, make_eval_step, make_train_step, next_token_loss
+from rollout.buckets import Exporter
+from rollout.jax_engine import score_sequences
 
 
 def host_value(tree):
     """Device values -> numpy, in one batched transfer. An array spread over several processes
     is gathered (every process calls this on the same values: a collective)."""
-    from converters.export import host_array
-
     if all(x.is_fully_addressable for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)):
         return jax.device_get(tree)
     return jax.tree.map(lambda x: host_array(x) if isinstance(x, jax.Array) else x, tree)
@@ -57,14 +62,50 @@ def batch_rows(mesh, rules, rows: int) -> tuple[int, int]:
     return lo, hi
 
 
+def create_model(cfg: RunConfig, model_cfg: ModelConfig, mesh) -> CausalLM:
+    """Random init directly into the sharded layout, or the checkpoint at model.path."""
+    rules = cfg.mesh.rules
+    if cfg.model.path is None:
+        abstract = nnx.eval_shape(lambda: CausalLM(model_cfg, nnx.Rngs(cfg.seed)))
+        shardings = state_shardings(nnx.state(abstract), mesh, rules)
+
+        @jax.jit
+        def init():
+            return nnx.state(CausalLM(model_cfg, nnx.Rngs(cfg.seed)))
+
+        graphdef = nnx.graphdef(abstract)
+        state = jax.jit(init, out_shardings=shardings)()
+        model = nnx.merge(graphdef, state)
+    else:
+        model = load_model(cfg.model.path, **{k: getattr(model_cfg, k) for k in (
+            "scan_layers", "remat", "param_dtype", "compute_dtype")})
+        state = nnx.state(model)
+        nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
+    lora = cfg.model.lora
+    if lora.rank:
+        import qwix
+
+        provider = qwix.LoraProvider(module_path=lora.target_modules, rank=lora.rank,
+                                     alpha=lora.alpha, dropout=lora.dropout,
+                                     weight_qtype=jnp.int8 if lora.int8_base else None)
+        model = qwix_apply(model, provider, rngs=nnx.Rngs(params=cfg.seed, dropout=cfg.seed))
+        state = nnx.state(model)
+        nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
+    if cfg.model.quantization == "int8":
+        import qwix
+
+        provider = qwix.QtProvider([qwix.QtRule(module_path=r".*_proj|lm_head",
+                                                weight_qtype=jnp.int8, act_qtype=jnp.int8)])
+        model = qwix_apply(model, provider)
+    return model
+
+
 class Trainer:
     """The policy trainer over this process's view of the mesh (see the module docstring).
     `algorithm`: the recipe's; GRPO adds the policy loss, the reference policy (beta > 0) and
     `update`."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, model_cfg: ModelConfig, loss_fn=None):
-        from posttrain.train.loop import create_model
-
         self.cfg, self.run_dir, self.model_cfg = cfg, Path(run_dir), model_cfg
         t, g = cfg.train, cfg.grpo
         rl = cfg.algorithm == "grpo"
@@ -190,27 +231,12 @@ class Trainer:
         return nnx.state(self.policy())
 
     def exporter(self, **kw):
-        """A `rollout.transfer.Exporter` of the current policy (keyword arguments as its)."""
-        from rollout.transfer import Exporter
-
+        """A `rollout.buckets.Exporter` of the current policy (keyword arguments as its)."""
         return Exporter(self.policy_state(), self.model_cfg, **kw)
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """The probe's log-probs under the current policy (see `rollout.weight_sync`)."""
-        from rollout.jax_engine import score_sequences
-
         return score_sequences(self.policy(), sequences)
 
     def save_hf(self, out: Path, lora_scale: float | None = None, write: bool = True) -> None:
-        from converters.export import save_hf
-
         save_hf(self.policy(), Path(out), lora_scale=lora_scale, write=write)
-
-
-def make_trainer(cfg: RunConfig, run_dir: Path, model_cfg: ModelConfig, loss_fn=None):
-    """`Trainer` in this process, or a `TrainerGroup` of `trainer.hosts` Ray actors."""
-    if cfg.trainer.hosts > 1:
-        from posttrain.train.group import TrainerGroup
-
-        return TrainerGroup(cfg, run_dir, model_cfg, loss_fn)
-    return Trainer(cfg, run_dir, model_cfg, loss_fn)

@@ -9,7 +9,7 @@ import optax
 import torch
 from flax import nnx
 
-from converters.hf import nnx_to_hf
+from posttrain.models.hf import nnx_to_hf
 from posttrain.algorithms.grpo import grpo_advantages
 from posttrain.config import RunConfig
 from posttrain.models import from_pretrained

@@ -10,7 +10,7 @@ import pytest
 import torch
 from flax import nnx
 
-from converters.hf import nnx_to_hf
+from posttrain.models.hf import nnx_to_hf
 from posttrain.algorithms.grpo import grpo_advantages, kept_set_logprobs, policy_logprobs
 from posttrain.config import RunConfig
 from posttrain.models import from_pretrained

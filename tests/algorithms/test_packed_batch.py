@@ -11,7 +11,8 @@ from flax import nnx
 from posttrain.algorithms.grpo import grpo_advantages, make_loss_fn
 from posttrain.config import RunConfig
 from posttrain.models import from_pretrained
-from posttrain.rollouts import build_batch, packed_rows
+from posttrain.data.packing import packed_rows
+from posttrain.rollouts import build_batch
 from rollout.engine import Rollout
 from tests.helpers import save_tiny_hf_model
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from converters.safetensors_io import SafetensorsReader
+from posttrain.models.safetensors_io import SafetensorsReader
 from posttrain.cli import main
 from tests.helpers import (
     save_tiny_hf_model,
@@ -108,7 +108,7 @@ def test_lora_export_loads_in_peft_and_merges(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from posttrain.train.checkpoint import load_model_from_checkpoint
+    from posttrain.models.loading import load_model_from_checkpoint
     from tests.train.e2e import run
 
     save_tiny_model_with_tokenizer(tmp_path / "base", "qwen3", tie=False)
@@ -144,7 +144,7 @@ def _unknown_arch(d: Path):
 
 
 def _missing_shard(d: Path):
-    from converters.export import save_hf
+    from posttrain.models.export import save_hf
     from posttrain.models import from_pretrained
 
     model = from_pretrained(d)

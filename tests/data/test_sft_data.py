@@ -43,7 +43,7 @@ def test_tool_chats_show_the_tools_and_train_on_the_model_turns_only(tok):
     """An SFT chat that calls a tool (HF's `tool_calls` / `tools` columns): the template shows
     the schema and writes the call in the hermes syntax the rollout parser reads; the loss
     covers the call and the answer, never the tool's result or the schema."""
-    from rollout.tools import format_hermes, parse_hermes
+    from posttrain.tools import format_hermes, parse_hermes
 
     row = generated.tool_chat(generated.Problem(37, 48, "*"), "call")
     data = DataSection(format="messages", seq_len=1024)  # this tokenizer has not seen the schema
@@ -123,6 +123,7 @@ BAD_FILES = {  # file text, fragments of the one-line error
     # a blank line before it: line 4 of the file is row 2 of the dataset
     "bad_row_after_a_blank_line": ('{"text": "a"}\n\n{"text": "b"}\n{"text": ""}\n',
                                    ["train.jsonl: line 4 (row 2): missing or empty 'text'"]),
+    "empty_file": ("\n", ["train.jsonl: no rows"]),
 }
 
 

@@ -38,9 +38,9 @@ def same_weights_model(cfg: ModelConfig):
     if cfg.scan_layers:
         model = build_model(cfg, seed=0)
     else:  # move the stacked weights through the HF name map into the per-layer layout
-        from converters.export import param_flat
-        from converters.hf import hf_to_nnx, nnx_to_hf
-        from converters.loading import abstract_model, set_params
+        from posttrain.models.export import param_flat
+        from posttrain.models.hf import hf_to_nnx, nnx_to_hf
+        from posttrain.models.loading import abstract_model, set_params
 
         hf = dict(nnx_to_hf(CFG, {k: np.asarray(v[...]) for k, v in param_flat(ref).items()}))
         model = set_params(abstract_model(cfg), hf_to_nnx(cfg, hf.__getitem__))

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.errors import UserError
-from rewards.sandbox import (DENIED, SYSCALLS, Limits, SandboxUnavailable, SandboxWarning,
+from posttrain.sandbox import (DENIED, SYSCALLS, Limits, SandboxUnavailable, SandboxWarning,
                              check_isolation, run_many, run_tests, seccomp_filter)
 
 # Linux is all this needs (bubblewrap ships with the package); where it cannot start, these fail
@@ -328,7 +328,7 @@ def test_a_killed_trainer_leaves_nothing_running(tmp_path):
             "start_new_session=True)\ntime.sleep(60)")
     script = tmp_path / "trainer.py"
     script.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parents[2])!r})\n"
-                      "from rewards.sandbox import run_tests\n"
+                      "from posttrain.sandbox import run_tests\n"
                       f"run_tests({code!r}, ['assert True'], timeout_s=60, audit_hook=False)\n")
     trainer = subprocess.Popen([sys.executable, str(script)])
     for _ in range(100):
@@ -517,7 +517,7 @@ def test_process_isolation_warns_and_unknown_isolation_fails():
 def test_refuses_with_the_cause_and_fix_when_bubblewrap_cannot_start(monkeypatch, tmp_path):
     """A machine without unprivileged user namespaces, simulated by a bwrap that fails the way the
     real one does there; the code reward then refuses to run (exit 2 from the CLI: a UserError)."""
-    import rewards.sandbox as sb
+    import posttrain.sandbox as sb
 
     fake = tmp_path / "bwrap"
     fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace, likely because "
@@ -547,7 +547,7 @@ def test_a_sandbox_that_stops_starting_mid_run_is_an_error_not_a_zero(monkeypatc
     """Availability was checked at start-up; if bwrap later fails (a changed sysctl, a removed
     binary), every completion scoring 0 would look like a slow learner: it raises instead, which
     the reward pool counts as an error."""
-    import rewards.sandbox as sb
+    import posttrain.sandbox as sb
 
     assert sb.unavailable_reason() is None
     fake = tmp_path / "bwrap"

@@ -117,7 +117,7 @@ def setup(request, tmp_path_factory):
                        jax.random.key_data(jax.random.key(0)))
     state, _ = jax.jit(make_train_step(graphdef, opt, next_token_loss))(state, batch)
     updated = nnx.merge(graphdef, state.params, state.frozen)
-    from converters.export import save_hf
+    from posttrain.models.export import save_hf
 
     save_hf(updated, d / "updated")
     return d, ref, tok, updated

@@ -24,7 +24,7 @@ from rollout.episodes import (
     render,
     run_episodes,
 )
-from rollout.tools import calculator, format_hermes, parse_hermes
+from posttrain.tools import calculator, format_hermes, parse_hermes
 from tests.helpers import save_tiny_model_with_tokenizer
 
 ROWS = [{"prompt": "What is 3 + 4?", "answer": "7"}, {"prompt": "What is 12 - 5?", "answer": "7"}]

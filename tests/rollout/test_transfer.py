@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from converters.hf import hf_tensor_names
 from posttrain.models import from_pretrained
+from posttrain.models.hf import hf_tensor_names
+from rollout.buckets import ALIGN, Exporter, export_digest, plan_buckets, unpack
 from rollout.jax_engine import JaxEngine
-from rollout.transfer import (ALIGN, Collective, Exporter, InProcess, ObjectStore, export_digest,
-                              plan_buckets, unpack)
+from rollout.transfer import Collective, InProcess, ObjectStore
 from rollout.weight_sync import WeightSyncError, check_probe, hf_numpy, probe_sequences, push
 from tests.helpers import save_tiny_model_with_tokenizer, with_lora
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from rollout import cuda_standins
-from rollout.transfer import Exporter, unpack
+from rollout.buckets import Exporter, unpack
 from rollout.vllm_transfer import VllmIPC, nccl_chunks, update_info
 from tests.helpers import save_tiny_model_with_tokenizer
 

@@ -11,7 +11,7 @@ def record_loads(worker) -> None:
     """In vLLM's worker: hash every (name, tensor) its model's `load_weights` is given, in order
     (what vLLM's transfer engine hands the model). The CPU backend prepacks linear weights and
     leaves the parameters empty, so the parameters themselves cannot be compared."""
-    from rollout.transfer import Digest
+    from rollout.buckets import Digest
 
     model = worker.model_runner.get_model()
     inner = model.load_weights
@@ -26,7 +26,7 @@ def record_loads(worker) -> None:
 
 
 def loads_digest(worker) -> str:
-    from rollout.transfer import Digest
+    from rollout.buckets import Digest
 
     out, worker._posttrain_loads = worker._posttrain_loads.hexdigest(), Digest()
     return out
@@ -37,7 +37,7 @@ def bitwise(eng, model, scale) -> bool:
     byte, what the exporter sends (names, dtypes, shapes, bytes, order)."""
     from flax import nnx
 
-    from rollout.transfer import Exporter, export_digest
+    from rollout.buckets import Exporter, export_digest
 
     want = export_digest(Exporter(nnx.state(model), model.cfg, lora_scale=scale,
                                   dtype=eng.weight_dtype))

@@ -55,7 +55,7 @@ def test_lora_trains_only_adapters(pretrained, tmp_path, int8_base):
         assert any(np.asarray(v).dtype == np.int8 for v in base.values())
     else:  # the start checkpoint was scanned, the LoRA run unrolled: compare through HF names
         from posttrain.train.checkpoint import canonical_params
-        from converters.hf import nnx_to_hf
+        from posttrain.models.hf import nnx_to_hf
         from posttrain.models import from_pretrained
 
         cfg = from_pretrained(pretrained).cfg

@@ -594,13 +594,12 @@ def unavailable_reason() -> str | None:
             f"reward's `isolation: process` (not safe against hostile code)")
 
 
+DEFAULT_ISOLATION = "os"  # the code reward's and run_many's default (refuses where bwrap cannot start)
+
+
 def default_isolation() -> str:
-    """The code reward's default `isolation` (one source: its signature)."""
-    import inspect
-
-    from rewards.builtins import code_reward
-
-    return inspect.signature(code_reward).parameters["isolation"].default
+    """The code reward's default `isolation`."""
+    return DEFAULT_ISOLATION
 
 
 def _check_name(isolation: str) -> None:
@@ -648,7 +647,7 @@ def _limits(timeout_s: float, memory_mb: int, limits: Limits | None) -> Limits:
 
 
 def run_tests(code: str, tests: list, *, timeout_s: float = 5.0, memory_mb: int = 512,
-              isolation: str = "os", limits: Limits | None = None,
+              isolation: str = DEFAULT_ISOLATION, limits: Limits | None = None,
               audit_hook: bool = True) -> SandboxResult:
     """Run `code` against `tests` (assert statements, or {"input", "output"} stdin/stdout pairs).
 

@@ -9,8 +9,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from converters.hf import hf_shape, hf_tensor_names, nnx_to_hf, our_path
-from converters.safetensors_io import SHARD_BYTES, write_sharded
+from posttrain.models.hf import hf_shape, hf_tensor_names, nnx_to_hf, our_path
+from posttrain.models.safetensors_io import SHARD_BYTES, write_sharded
 
 
 def param_flat(model: nnx.Module) -> dict[tuple, np.ndarray]:

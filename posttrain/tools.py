@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from posttrain.errors import UserError
+from posttrain.plugins import load_object
+from posttrain.sandbox import run_program
 
 
 @dataclass
@@ -115,8 +117,6 @@ def python(code: str) -> str:
     Args:
         code: the program; its standard output is the result
     """
-    from rewards.sandbox import run_program
-
     out = run_program(code)
     if out.status != "ok":
         return f"{out.status}: {out.error}"
@@ -129,8 +129,6 @@ def builtin_tools() -> dict[str, Callable]:
 
 def resolve_tool(fn: str) -> Callable:
     """A tool spec to its function (the same forms as a reward spec)."""
-    from rewards.registry import load_object
-
     builtins = builtin_tools()
     if fn in builtins:
         return builtins[fn]

@@ -1,4 +1,5 @@
-"""Load a model from an HF safetensors directory or one of our Orbax checkpoints."""
+"""Load a model from an HF safetensors directory or one of our Orbax checkpoints (the core's one
+way in: training, engines, evaluation and the converters all load through `load_model`)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import numpy as np
 from flax import nnx
 from pydantic import ValidationError
 
-from converters.hf import check_hf_tensors, hf_to_nnx
-from converters.safetensors_io import SafetensorsReader
 from posttrain.errors import UserError
 from posttrain.models.config import ModelConfig
+from posttrain.models.hf import check_hf_tensors, hf_to_nnx, nnx_to_hf
+from posttrain.models.safetensors_io import SafetensorsReader
 from posttrain.models.transformer import CausalLM
+from posttrain.train.checkpoint import canonical_params, find_checkpoint, read_meta, restore_params_flat
 
 
 def abstract_model(cfg: ModelConfig) -> CausalLM:
@@ -113,6 +115,19 @@ def load_model(path: str | Path, **overrides) -> CausalLM:
     path = resolve_model_path(path)
     if (path / "config.json").is_file():
         return load_hf(path, **overrides)
-    from posttrain.train.checkpoint import load_model_from_checkpoint
-
     return load_model_from_checkpoint(path, **overrides)
+
+
+def load_model_from_checkpoint(path: str | Path, **overrides) -> nnx.Module:
+    """An ordinary model from one of our checkpoints, whatever its layer layout, LoRA or int8."""
+    ckpt_dir, step = find_checkpoint(path)
+    meta = read_meta(ckpt_dir, step)
+    saved = ModelConfig.model_validate(meta["model_config"])
+    cfg = saved.model_copy(update=overrides)
+    lora = meta.get("lora") or {}
+    scale = lora["alpha"] / lora["rank"] if lora.get("rank") else None
+    params = canonical_params(restore_params_flat(ckpt_dir, step), scale)
+    if cfg.scan_layers != saved.scan_layers:  # re-layout through the HF names
+        hf = dict(nnx_to_hf(saved, params))
+        params = hf_to_nnx(cfg, hf.__getitem__)
+    return set_params(abstract_model(cfg), params)

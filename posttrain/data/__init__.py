@@ -1,0 +1,1 @@
+"""Data: tokenizers and chat templates, SFT/RL datasets, the generated task, packing."""

@@ -1,0 +1,1 @@
+"""Training: the jitted step, optimizer, checkpoints, the in-process loop and the Ray trainer group."""
