@@ -107,7 +107,8 @@ class DataSection(Strict):
     eval_source: str | None = None
     split: str = Field("train", description="split of a hub / saved DatasetDict source")
     eval_split: str = "test"
-    format: Literal["text", "messages", "prompt_completion"] = "text"
+    format: Literal["text", "messages", "prompt_completion", "preference"] = Field("text", description=(
+        "preference: prompt / chosen / rejected columns, strings or message lists (DPO)"))
     generated: GeneratedData = GeneratedData()
     seq_len: int = Field(256, gt=1)
     pack: bool = True
@@ -252,6 +253,44 @@ class TISSection(Strict):
 class DynamicSampling(Strict):
     enabled: bool = False
     max_attempts: int = Field(3, gt=0)
+
+
+class PairsSection(Strict):
+    """Pairs made from the task when a DPO stage's data is `generated` (`posttrain/pairs.py`)."""
+
+    prompts: int = Field(1024, gt=0, description="training prompts to sample from")
+    samples: int = Field(4, gt=1, description="completions per prompt, from the starting model")
+    temperature: float = Field(1.0, gt=0)
+    max_tokens: int = Field(64, gt=0)
+    min_margin: float = Field(0.5, ge=0, description="least reward gap between the best "
+                              "(chosen) and the worst (rejected) completion of a prompt")
+
+
+class DPOSection(Strict):
+    """Preference optimisation (`algorithm: dpo`); the losses' math: posttrain/algorithms/dpo.py."""
+
+    loss: Literal["sigmoid", "hinge", "ipo", "robust", "simpo", "orpo"] = Field("sigmoid", description=(
+        "sigmoid: DPO; hinge: SLiC; ipo; robust: DPO under label noise; simpo and orpo need no "
+        "reference model (TRL's names)"))
+    beta: float = Field(0.1, gt=0, description="the KL strength (DPO), the margin scale (hinge), "
+                        "tau (IPO), lambda of the odds-ratio term (ORPO)")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="the assumed label-flip rate "
+                                   "(sigmoid: cDPO; robust; simpo)")
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target reward margin")
+    pairs: PairsSection = PairsSection()
+    reference: Literal["auto", "model", "precompute", "adapters_off"] = Field("auto", description=(
+        "where the reference log-probs come from: model, a frozen copy of the starting weights "
+        "scoring every batch; precompute, one pass over the data before training, cached in the "
+        "run directory; adapters_off, the policy itself with its LoRA adapters off (no second "
+        "copy); auto: adapters_off with LoRA, else precompute (the least memory)"))
+
+    def reference_route(self, lora: bool) -> str | None:
+        """The reference actually used: None for the reference-free losses."""
+        if self.loss in ("simpo", "orpo"):
+            return None
+        if self.reference == "auto":
+            return "adapters_off" if lora else "precompute"
+        return self.reference
 
 
 class GRPOSection(Strict):
@@ -475,7 +514,7 @@ class TrainerSection(Strict):
 
 class RunConfig(Strict):
     name: str = "run"
-    algorithm: Literal["pretrain", "sft", "grpo"] = "pretrain"
+    algorithm: Literal["pretrain", "sft", "grpo", "dpo"] = "pretrain"
     run_dir: str = "runs/run"
     seed: int = 0
     model: ModelSection = ModelSection()
@@ -489,6 +528,7 @@ class RunConfig(Strict):
     mesh: MeshSection = MeshSection()
     rewards: RewardsSection = RewardsSection()
     grpo: GRPOSection = GRPOSection()
+    dpo: DPOSection = DPOSection()
     rollout: RolloutSection = RolloutSection()
     async_: AsyncSection = Field(AsyncSection(), alias="async")  # `async` is a Python keyword
     eval: EvalSection = EvalSection()
@@ -792,6 +832,18 @@ def cross_check(cfg: RunConfig, num_devices: int, *, produced_by_earlier_stage: 
                             f"({g.max_tokens}) plus the prompt")
     if cfg.algorithm == "grpo":
         check_rollout_devices(cfg, num_devices, prefix)
+    if (cfg.algorithm == "dpo") != (cfg.data.format == "preference"):
+        raise UserError(f"{prefix}data.format: {cfg.data.format!r} with algorithm {cfg.algorithm!r} "
+                        "(dpo trains on preference pairs, and only dpo does)")
+    if cfg.algorithm == "dpo" and cfg.dpo.reference == "adapters_off" and not cfg.model.lora.rank:
+        raise UserError(f"{prefix}dpo.reference: adapters_off needs LoRA (model.lora.rank > 0)")
+    if cfg.algorithm == "dpo" and cfg.data.source == "generated":  # pairs sampled from the model
+        if cfg.model.path is None and not produced_by_earlier_stage:
+            raise UserError(f"{prefix}model.path: dpo on generated data samples its pairs from "
+                            "a model; set model.path")
+        if not cfg.rewards.functions:
+            raise UserError(f"{prefix}rewards.functions: dpo on generated data ranks the sampled "
+                            "completions with the rewards; set at least one")
     check_agent(cfg.agent, prefix)
     if cfg.model.lora.rank and cfg.model.quantization == "int8":
         raise UserError(f"{prefix}model.quantization: int8 QAT and LoRA do not combine; for a "

@@ -79,6 +79,9 @@ def write_report(stages: list[RunConfig], root: Path, seconds: dict[str, float])
     (root / "summary.md").write_text("\n".join(lines) + "\n")
 
     rl = [c for c in stages if c.algorithm == "grpo"]
+    dpo = [c for c in stages if c.algorithm == "dpo"]
+    if dpo and not rl:
+        plot_dpo(dpo[-1], acc, root, plt)
     if not rl:
         return
     m = [json.loads(x) for x in (Path(rl[-1].run_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -104,5 +107,30 @@ def write_report(stages: list[RunConfig], root: Path, seconds: dict[str, float])
         lens = [(r["step"], r["completion_len/mean"]) for r in m if r.get("completion_len/mean") is not None]
         ax[2].plot([s for s, _ in lens], [n for _, n in lens], lw=1)
         ax[2].set(title="GRPO: mean completion length", xlabel="step", ylabel="tokens")
+    fig.tight_layout()
+    fig.savefig(root / "progress.png", dpi=110)
+
+
+def plot_dpo(cfg: RunConfig, acc: dict, root: Path, plt) -> None:
+    """RUN_DIR/progress.png of a DPO recipe: the loss, TRL's reward accuracy and margin over
+    steps, and held-out accuracy after each evaluated stage."""
+    m = [json.loads(x) for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in m if "rewards/accuracies" in r]
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(1, 3, figsize=(14, 3.6))
+    ax[0].plot(steps, [r["loss"] for r in rows], lw=1)
+    ax[0].set(title=f"DPO ({cfg.dpo.loss}): loss", xlabel="step")
+    ax[1].plot(steps, [100 * r["rewards/accuracies"] for r in rows], lw=1, label="accuracy (%)")
+    ax2 = ax[1].twinx()
+    ax2.plot(steps, [r["rewards/margins"] for r in rows], lw=1, c="tab:orange", label="margin")
+    ax[1].set(title="chosen reward > rejected (%), and the margin", xlabel="step")
+    ax[1].legend(loc="lower left", fontsize=8)
+    ax2.legend(loc="lower right", fontsize=8)
+    names = [n for n in acc if n in ("pretrain", "sft") or n == cfg.name]
+    ax[2].bar(names, [100 * acc[n]["accuracy"] for n in names])
+    for i, n in enumerate(names):
+        ax[2].text(i, 100 * acc[n]["accuracy"], f"{100 * acc[n]['accuracy']:.1f}%", ha="center",
+                   va="bottom", fontsize=9)
+    ax[2].set(title="held-out accuracy (greedy)", ylabel="%")
     fig.tight_layout()
     fig.savefig(root / "progress.png", dpi=110)

@@ -17,6 +17,10 @@ def algorithm_fn(name: str):
         from posttrain.algorithms import sft
 
         return sft.run
+    if name == "dpo":  # the same loop; the trainer takes DPO's loss and reference
+        from posttrain.train.loop import train_language_model
+
+        return train_language_model
     from posttrain.pipeline import run_grpo
 
     return run_grpo
@@ -27,7 +31,9 @@ def run_stages(stages: list[RunConfig]) -> list[dict]:
 
     results = []
     prev: RunConfig | None = None
-    root = Path(stages[0].run_dir).parent if len(stages) > 1 else Path(stages[0].run_dir)
+    # the recipe's directory: the last stage's parent (an earlier stage may live elsewhere, e.g.
+    # a stage shared with another recipe's run)
+    root = Path(stages[-1].run_dir).parent if len(stages) > 1 else Path(stages[0].run_dir)
     seconds: dict[str, float] = {}
     done: list[RunConfig] = []
     for i, cfg in enumerate(stages):

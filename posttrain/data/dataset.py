@@ -148,6 +148,8 @@ class Encoder:
             mask = [1] * len(ids)
         elif fmt == "messages":
             ids, mask = self.encode_chat(row, idx)
+        elif fmt == "preference":
+            return self.encode_preference(row, idx)
         else:
             ids, mask = self.encode_prompt_completion(row, idx)
         return self.truncate(ids, mask)
@@ -252,6 +254,81 @@ class Encoder:
         mask = ([1] * len(p_ids) if self.data.loss_on == "all" else [0] * len(p_ids)) + [1] * len(c_ids)
         return p_ids + c_ids, mask
 
+    # ---- preference pairs ------------------------------------------------------------------
+    def encode_preference(self, row: dict, idx: int) -> list[tuple[list[int], list[int]]] | None:
+        """A pair, [(prompt + chosen, mask), (prompt + rejected, mask)], masks on the completion
+        tokens only. `prompt` is a string or a message list (TRL's conversational format; the
+        chat template renders it once, ending with the assistant's header); `chosen` and
+        `rejected` are strings (+ EOS) or the assistant message(s) that follow the prompt (what
+        the template renders after it). Both sequences of a pair share one packed row, so each
+        is held to seq_len // 2 tokens by `data.truncation` (right: the completion's end goes;
+        left: the prompt's start; drop: the pair)."""
+        prompt = row.get("prompt")
+        if any(row.get(k) is None for k in ("prompt", "chosen", "rejected")):
+            raise self.bad(idx, "needs 'prompt', 'chosen' and 'rejected' fields")
+        msgs = None
+        if isinstance(prompt, list):
+            msgs = self.check_prompt_messages(prompt, idx)
+            p_text = self._render(msgs, True)
+        elif isinstance(prompt, str) and prompt.strip():
+            p_text = prompt
+        else:
+            raise self.bad(idx, "empty 'prompt'")
+        p_ids = self.tokenizer(p_text, add_special_tokens=False)["input_ids"]
+        pair = []
+        for key in ("chosen", "rejected"):
+            c_ids = self.completion_ids(row[key], msgs, p_text, key, idx)
+            seq = self.truncate_half(p_ids + c_ids, [0] * len(p_ids) + [1] * len(c_ids))
+            if seq is None:
+                return None
+            pair.append(seq)
+        return pair
+
+    def check_prompt_messages(self, msgs: list, idx: int) -> list[dict]:
+        if not msgs or not all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                               and m.get("role") in ("system", "user", "assistant", "tool")
+                               for m in msgs):
+            raise self.bad(idx, "'prompt': a message list needs 'role' and 'content' in each message")
+        if msgs[-1]["role"] == "assistant":
+            raise self.bad(idx, "'prompt' ends with an assistant message (the completions are "
+                           "'chosen' and 'rejected')")
+        return msgs
+
+    def completion_ids(self, comp, msgs: list[dict] | None, p_text: str, key: str,
+                       idx: int) -> list[int]:
+        eos = self.tokenizer.eos_token_id
+        if isinstance(comp, str):
+            if not comp.strip():
+                raise self.bad(idx, f"empty '{key}'")
+            return self.tokenizer(comp, add_special_tokens=False)["input_ids"] + [eos]
+        if not (isinstance(comp, list) and comp and all(
+                isinstance(m, dict) and m.get("role") == "assistant"
+                and isinstance(m.get("content"), str) and m["content"].strip() for m in comp)):
+            raise self.bad(idx, f"'{key}': a string, or assistant messages with content")
+        if msgs is None:
+            raise self.bad(idx, f"'{key}' is a message list but 'prompt' is a string (use "
+                           "messages for both, or strings)")
+        full = self._render(msgs + comp, False)
+        if not full.startswith(p_text):
+            raise self.bad(idx, f"the chat template renders the prompt differently once '{key}' "
+                           "follows it; cannot tell the completion's tokens")
+        ids = self.tokenizer(full[len(p_text):], add_special_tokens=False)["input_ids"]
+        # the separator a template puts after the end-of-turn token is not the reply's
+        while len(ids) > 1 and not self.tokenizer.decode(ids[-1:]).strip():
+            ids = ids[:-1]
+        return ids
+
+    def truncate_half(self, ids: list[int], mask: list[int]):
+        """One sequence of a pair to at most seq_len // 2 tokens; None drops the pair (also when
+        nothing of the completion would remain)."""
+        half = self.data.seq_len // 2
+        if len(ids) > half:
+            if self.data.truncation == "drop":
+                return None
+            cut = slice(-half, None) if self.data.truncation == "left" else slice(None, half)
+            ids, mask = ids[cut], mask[cut]
+        return (ids, mask) if any(mask) else None
+
     def truncate(self, ids: list[int], mask: list[int]):
         L = self.data.seq_len
         if len(ids) <= L:
@@ -314,7 +391,7 @@ class PackedBatches:
                 cands.append(None)
                 continue
             cands.append(enc)
-            tokens += len(enc[0])
+            tokens += sum(len(ids) for ids, _ in enc) if isinstance(enc, list) else len(enc[0])
             if tokens > budget + self.seq_len or len(cands) > 4 * budget:
                 break
         real = [c for c in cands if c is not None]
@@ -330,6 +407,9 @@ class PackedBatches:
             k += 1
         e, i = positions[k] if k < len(positions) else positions[-1]
         self.epoch, self.index = e, i
+        if "group_index" in batch:  # which dataset row each pair slot holds (-1: none)
+            gi = batch.pop("group_index")
+            batch["pair_rows"] = np.where(gi >= 0, np.asarray(ids + [-1], np.int32)[gi], -1)
         return batch, ids
 
     def batches(self, depth: int = 2):

@@ -11,11 +11,15 @@ from __future__ import annotations
 import numpy as np
 
 
-def pack_rows(examples: list[tuple[list[int], list[int]]], rows: int, seq_len: int,
+def pack_rows(examples: list, rows: int, seq_len: int,
               pack: bool = True, first_fit: bool = True) -> tuple[dict[str, np.ndarray], int]:
     """Fill `rows` rows from the front of `examples`. First fit: each example goes to the first
     row with room for it; next fit (`first_fit=False`): to the current row, or the next one when
     it does not fit there; without `pack`, one example per row.
+
+    An example is `(ids, mask)`, or a list of them that must share a row (a preference pair:
+    chosen, then rejected), each its own segment; a batch of such groups also holds
+    `group_index` [rows, seq_len // 2]: which example is the row's k-th group (-1: none).
 
     Returns the batch and how many examples it consumed: the packing stops at the first example
     that fits in no row, which starts the next batch, so what a batch consumed is always a prefix
@@ -30,9 +34,13 @@ def pack_rows(examples: list[tuple[list[int], list[int]]], rows: int, seq_len: i
     lmask = np.zeros((rows, seq_len), np.float32)
     col = np.zeros((rows,), np.int64)  # next free column of each row
     nseg = np.zeros((rows,), np.int32)
+    groups = any(isinstance(ex, list) for ex in examples)
+    group_index = np.full((rows, seq_len // 2), -1, np.int32)
+    ngroups = np.zeros((rows,), np.int32)
     used = 0
-    for ids, mask in examples:
-        n = len(ids)
+    for ex in examples:
+        segments = ex if isinstance(ex, list) else [ex]
+        n = sum(len(ids) for ids, _ in segments)
         if n > seq_len:
             raise ValueError(f"example of {n} tokens exceeds seq_len {seq_len}; truncate first")
         if pack:
@@ -46,13 +54,17 @@ def pack_rows(examples: list[tuple[list[int], list[int]]], rows: int, seq_len: i
             r = used
         else:
             break
-        c = int(col[r])
-        nseg[r] += 1
-        tokens[r, c:c + n] = ids
-        seg[r, c:c + n] = nseg[r]
-        pos[r, c:c + n] = np.arange(n)
-        lmask[r, c:c + n] = mask
-        col[r] += n
+        for ids, mask in segments:
+            c, m = int(col[r]), len(ids)
+            nseg[r] += 1
+            tokens[r, c:c + m] = ids
+            seg[r, c:c + m] = nseg[r]
+            pos[r, c:c + m] = np.arange(m)
+            lmask[r, c:c + m] = mask
+            col[r] += m
+        if groups:
+            group_index[r, ngroups[r]] = used
+            ngroups[r] += 1
         used += 1
     targets = np.zeros_like(tokens)
     targets[:, :-1] = tokens[:, 1:]
@@ -64,6 +76,8 @@ def pack_rows(examples: list[tuple[list[int], list[int]]], rows: int, seq_len: i
     loss_mask = pred_mask * same_next
     batch = {"tokens": tokens, "targets": targets, "positions": pos, "segment_ids": seg,
              "loss_mask": loss_mask.astype(np.float32)}
+    if groups:
+        batch["group_index"] = group_index
     return batch, used
 
 

@@ -295,6 +295,11 @@ class TrainerGroup:
         refs = [h.call.remote("update", p, rows) for h, p in zip(self.hosts, parts)]
         return self._gather(refs, "a policy update")[0]
 
+    def reference_logps(self, batch: dict) -> dict:
+        parts, rows = self._slices(batch)
+        refs = [h.call.remote("reference_logps", p, rows) for h, p in zip(self.hosts, parts)]
+        return self._gather(refs, "reference log-probs")[0]
+
     def save(self, step: int, data_state: dict, **meta) -> None:
         self._call("save", step, data_state, what=f"saving checkpoint {step}", **meta)
 

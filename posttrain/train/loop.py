@@ -23,6 +23,7 @@ from posttrain.data.tokenizer import load_tokenizer, train_bpe
 from posttrain.errors import UserError
 from posttrain.models.config import ModelConfig
 from posttrain.models.loading import hf_model_config, resolve_model_path, tokenizer_next_to
+from posttrain.pairs import sampled_pairs
 from posttrain.train.checkpoint import find_checkpoint, read_meta
 from posttrain.train.group import make_trainer
 from posttrain.train.step import next_token_loss
@@ -84,8 +85,11 @@ def train_language_model(cfg: RunConfig, run_dir: Path, loss_fn=next_token_loss)
     tokenizer = prepare_tokenizer(cfg, run_dir)
     model_cfg = resolve_model_config(cfg, tokenizer)
     t = cfg.train
-    train_rows = load_rows(cfg.data.source, "train", cfg.data)
-    encoder = Encoder(tokenizer, cfg.data, cfg.data.source)
+    source = cfg.data.source
+    if cfg.algorithm == "dpo" and source == "generated":  # pairs sampled from the starting model
+        source = str(sampled_pairs(cfg, run_dir, tokenizer))
+    train_rows = load_rows(source, "train", cfg.data)
+    encoder = Encoder(tokenizer, cfg.data, source)
     data = PackedBatches(train_rows, encoder, t.batch_size, cfg.data.seq_len,
                          cfg.data.shuffle_seed, cfg.data.pack,
                          first_fit=cfg.data.packing == "first_fit")
@@ -95,6 +99,11 @@ def train_language_model(cfg: RunConfig, run_dir: Path, loss_fn=next_token_loss)
     dog = watchdog.for_run(cfg, run_dir)
     last: dict = {}
     try:
+        reference = None
+        if cfg.algorithm == "dpo" and cfg.dpo.reference_route(bool(cfg.model.lora.rank)) == "precompute":
+            with dog.waiting("the reference log-probs of the data"):  # before any step or restore
+                reference = reference_table(cfg, run_dir, trainer, train_rows, encoder)
+                eval_batches = [{**b, **trainer.reference_logps(b)} for b in eval_batches]
         meta = trainer.restore()
         start = 0
         if meta is not None:
@@ -121,6 +130,8 @@ def train_language_model(cfg: RunConfig, run_dir: Path, loss_fn=next_token_loss)
         for step in range(start, t.steps):
             with dog.waiting(f"the data batch of step {step + 1}"):
                 batch, row_ids, data_state = next(feed)
+            if reference is not None:
+                batch = with_reference(batch, reference)
             tracker.log_rows(step + 1, row_ids)
             with dog.waiting(f"the update of step {step + 1}"):
                 fetch = trainer.train_step(batch)
@@ -158,9 +169,48 @@ def train_language_model(cfg: RunConfig, run_dir: Path, loss_fn=next_token_loss)
     return {k: float(v) for k, v in last.items() if np.ndim(v) == 0}
 
 
+def reference_table(cfg: RunConfig, run_dir: Path, trainer, rows, encoder) -> dict[str, np.ndarray]:
+    """DPO's reference log-probs of every training pair, by dataset row: one pass over the data
+    in order with the starting weights (TRL's `precompute_ref_log_probs`), kept in
+    RUN_DIR/reference_logps.npz and reused by a resumed run when the data and model match."""
+    path = run_dir / "reference_logps.npz"
+    key = repr((cfg.data.source, cfg.data.split, len(rows), cfg.data.seq_len, cfg.data.truncation,
+                cfg.model.path, cfg.seed))
+    if path.exists():
+        saved = np.load(path)
+        if str(saved["key"]) == key:
+            return {"ref_chosen": saved["ref_chosen"], "ref_rejected": saved["ref_rejected"]}
+    table = {k: np.full(len(rows), np.nan, np.float32) for k in ("ref_chosen", "ref_rejected")}
+    it = PackedBatches(rows, encoder, cfg.train.batch_size, cfg.data.seq_len, seed=0,
+                       pack=cfg.data.pack, shuffle=False)
+    while it.epoch == 0:
+        batch, _ = it.next_batch()
+        got = trainer.reference_logps(batch)
+        slots = batch["pair_rows"] >= 0
+        for k in table:
+            table[k][batch["pair_rows"][slots]] = got[k][slots]
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, key=key, **table)
+    tmp.replace(path)
+    return table
+
+
+def with_reference(batch: dict, table: dict[str, np.ndarray]) -> dict:
+    """The batch with its pairs' precomputed reference log-probs ([B, K], 0 in empty slots)."""
+    rows = batch["pair_rows"]
+    out = dict(batch)
+    for k, values in table.items():
+        got = np.where(rows >= 0, values[np.maximum(rows, 0)], 0.0).astype(np.float32)
+        if np.isnan(got).any():  # a pair the precompute pass never scored: never train on it
+            raise RuntimeError(f"no precomputed reference log-prob for dataset rows "
+                               f"{sorted(set(rows[np.isnan(got)].tolist()))[:5]}")
+        out[k] = got
+    return out
+
+
 def _eval_batches(cfg: RunConfig, tokenizer) -> list[dict]:
     src = cfg.data.eval_source or ("generated" if cfg.data.source == "generated" else None)
-    if src is None or not cfg.train.eval_every:
+    if src is None or not cfg.train.eval_every or (src == "generated" and cfg.algorithm == "dpo"):
         return []
     rows = load_rows(src, "eval", cfg.data)
     it = PackedBatches(rows, Encoder(tokenizer, cfg.data, src), cfg.train.batch_size,

@@ -43,6 +43,9 @@ from rollout.buckets import Exporter
 from rollout.jax_engine import score_sequences
 
 
+HOST_ONLY = ("pair_rows",)  # batch keys the host keeps (which dataset row each pair came from)
+
+
 def host_value(tree):
     """Device values -> numpy, in one batched transfer. An array spread over several processes
     is gathered (every process calls this on the same values: a collective)."""
@@ -132,6 +135,21 @@ class Trainer:
             # One update per batch: pi_old is the policy being updated, computed in the
             # update's own forward (a whole forward pass less per step).
             self.fused_logprob = g.mu == 1 and g.mini_batches == 1
+        self.pair_ref_params, self.reference_fn = None, None  # DPO's (GRPO's: ref_params)
+        if cfg.algorithm == "dpo":
+            from posttrain.algorithms import dpo
+
+            loss_fn = dpo.make_loss_fn(cfg.dpo)
+            route = cfg.dpo.reference_route(lora=bool(cfg.model.lora.rank))
+            if route is not None:
+                self.reference_fn = jax.jit(dpo.make_reference_fn(self.graphdef))
+            # the reference's weights: the starting ones, copied, or the adapters at zero (the
+            # base model itself: W + s A B with B = 0); precompute reads the starting params
+            # once, before any step or restore (`reference_logps`)
+            if route == "model":
+                self.pair_ref_params = jax.tree.map(jnp.copy, params)
+            elif route == "adapters_off":
+                self.pair_ref_params = jax.tree.map(jnp.zeros_like, params)
         state_sh = jax.tree.map(lambda x: x.sharding, self.state)
         self.step_fn = jax.jit(make_train_step(self.graphdef, optimizer, loss_fn or next_token_loss,
                                                t.grad_accum, lr_schedule(cfg.optimizer, t.steps)),
@@ -142,8 +160,21 @@ class Trainer:
 
     # ---- data in -------------------------------------------------------------------------------
     def put(self, batch: dict, rows: int | None = None) -> dict:
-        """A batch on the mesh: this process's rows of a global batch of `rows` (default: all)."""
-        return shard_batch(batch, self.mesh, self.rules, rows)
+        """A batch on the mesh: this process's rows of a global batch of `rows` (default: all),
+        with the reference's log-probs added where the reference scores every batch (DPO)."""
+        dev = shard_batch({k: v for k, v in batch.items() if k not in HOST_ONLY},
+                          self.mesh, self.rules, rows)
+        if self.pair_ref_params is not None:
+            dev.update(self.reference_fn(self.pair_ref_params, self.state.frozen, dev))
+        return dev
+
+    def reference_logps(self, batch: dict, rows: int | None = None) -> dict[str, np.ndarray]:
+        """DPO's reference log-probs of a batch (host arrays): by the reference's weights, or
+        for `precompute` by the current ones (the starting weights, before any step)."""
+        dev = shard_batch({k: v for k, v in batch.items() if k not in HOST_ONLY},
+                          self.mesh, self.rules, rows)
+        params = self.state.params if self.pair_ref_params is None else self.pair_ref_params
+        return host_value(self.reference_fn(params, self.state.frozen, dev))
 
     def local_rows(self, rows: int) -> tuple[int, int]:
         return batch_rows(self.mesh, self.rules, rows)
