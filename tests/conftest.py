@@ -23,3 +23,39 @@ if "POSTTRAIN_COMPILE_CACHE" not in os.environ:
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+# ---- compiled programs held by the session -----------------------------------------------------
+# XLA:CPU maps a few memory regions per compiled program (code and data sections, measured ~3)
+# and a program lives as long as a jit cache holds it. The whole suite compiles tens of
+# thousands in one process; at the kernel's vm.max_map_count (65530 by default) the next mmap
+# fails and LLVM aborts the process ("Unable to allocate section memory": SIGABRT, or SIGSEGV)
+# with no Python traceback: CI died that way at test ~390 of 526. After each test module, when
+# the map count has passed a third of the limit, the compiled programs are dropped (the next
+# module recompiles what it needs, or reads it back from the session's compile cache).
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+def _map_count() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+def _map_limit() -> int:
+    try:
+        return int(open("/proc/sys/vm/max_map_count").read())
+    except (OSError, ValueError):
+        return 65530
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_memory_maps():
+    yield
+    if _map_count() > _map_limit() // 3:
+        jax.clear_caches()
+        gc.collect()

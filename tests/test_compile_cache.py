@@ -36,3 +36,25 @@ def test_compiled_programs_are_written_there_and_children_inherit_it(tmp_path):
     off = _compile_in_a_fresh_process({"POSTTRAIN_COMPILE_CACHE": "off",
                                        "XDG_CACHE_HOME": str(tmp_path / "home")})
     assert off.stdout.strip() == "None" and not (tmp_path / "home").exists()
+
+
+def test_dropping_compiled_programs_unmaps_their_memory():
+    """What tests/conftest.py relies on to keep the session under vm.max_map_count: compiled
+    programs map memory regions, and `jax.clear_caches` returns them."""
+    import gc
+
+    import jax
+    import jax.numpy as jnp
+
+    from tests.conftest import _map_count
+
+    before = _map_count()
+    fns = [jax.jit(lambda x, i=i: jnp.sin(x) * i + jnp.cos(x * i)) for i in range(100)]
+    for f in fns:
+        f(jnp.ones((8,))).block_until_ready()
+    grown = _map_count()
+    assert grown - before >= 100  # at least one region per program
+    del fns
+    jax.clear_caches()
+    gc.collect()
+    assert _map_count() - before < (grown - before) / 2
