@@ -15,8 +15,8 @@ TRL_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewa
 
 
 def pairs_file(path, n: int = 400, seed: int = 0):
-    """Arithmetic questions, the right answer chosen over a wrong one (TRL's conversational
-    format)."""
+    """Arithmetic questions, the right answer in the house style chosen over a hedged wrong one
+    (TRL's conversational format): a preference a 10-step model can learn from its surface."""
     rng = np.random.default_rng(seed)
     with path.open("w") as f:
         for _ in range(n):
@@ -25,7 +25,7 @@ def pairs_file(path, n: int = 400, seed: int = 0):
             f.write(json.dumps({
                 "prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
                 "chosen": [{"role": "assistant", "content": f"The answer is {a + b}."}],
-                "rejected": [{"role": "assistant", "content": f"The answer is {wrong}."}]}) + "\n")
+                "rejected": [{"role": "assistant", "content": f"Maybe {wrong}, or so?"}]}) + "\n")
     return path
 
 
@@ -40,8 +40,8 @@ name: dpo
 algorithm: dpo
 model: {{path: {root / 'base'}, scan_layers: false}}
 data: {{source: {pairs_file(root / 'pairs.jsonl')}, format: preference, seq_len: 96}}
-optimizer: {{learning_rate: 2.0e-3, warmup_steps: 0, schedule: constant}}
-train: {{steps: 16, batch_size: 4, log_every: 1}}
+optimizer: {{learning_rate: 5.0e-4, warmup_steps: 0, schedule: constant}}
+train: {{steps: 16, batch_size: 8, log_every: 1}}
 checkpoint: {{every: 8}}
 dpo: {{beta: 0.5}}
 tracking: {{wandb: {{enabled: false}}}}
