@@ -34,6 +34,7 @@ def run_stages(stages: list[RunConfig]) -> list[dict]:
     # the recipe's directory: the last stage's parent (an earlier stage may live elsewhere, e.g.
     # a stage shared with another recipe's run)
     root = Path(stages[-1].run_dir).parent if len(stages) > 1 else Path(stages[0].run_dir)
+    root.mkdir(parents=True, exist_ok=True)
     seconds: dict[str, float] = {}
     done: list[RunConfig] = []
     for i, cfg in enumerate(stages):
