@@ -63,15 +63,15 @@ def test_dry_run_runs_every_part_and_writes_the_results(tmp_path):
 
 def test_tpu_train_step_dry_run_writes_its_table(tmp_path):
     """`benchmarks/tpu/train_step.py` (run on the TPU machine) stays runnable: its CPU dry run
-    trains a tiny model through the same code, with the LM head in chunks, and a LoRA over an
-    int8 base with its op profile, and writes JSON."""
+    trains a tiny model through the same code, with the LM head in chunks, a LoRA over an int8
+    base with its op profile, and a LoRA DPO step, and writes JSON."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     r = subprocess.run([sys.executable, "-m", "benchmarks.tpu.train_step", "--dry-run",
                         "--head-chunk", "32", "--out", str(tmp_path)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads((tmp_path / "train_step.json").read_text())
-    full, lora = res["runs"]
+    full, lora, dpo = res["runs"]
     assert full["head_chunk_positions"] == 16 and full["tokens_per_s"] > 0 and full["loss"] > 0
     # LoRA over an int8 frozen base, bf16 parameters: only the adapters train, and the profile
     # says where the step's op time goes
@@ -79,3 +79,7 @@ def test_tpu_train_step_dry_run_writes_its_table(tmp_path):
     assert 0 < lora["trainable_params"] < full["trainable_params"] / 4
     prof = lora["profile"]
     assert prof["op_ms_per_step"] > 0 and prof["top_ops"] and prof["by_category_ms"]
+    # a DPO step of LoRA pairs, the reference scored with the adapters off: the policy starts
+    # as the reference (loss log 2) and its few steps lower the loss from there
+    assert dpo["algorithm"] == "dpo" and dpo["tokens_per_s"] > 0
+    assert 0.5 < dpo["loss"] < 0.6931472

@@ -8,7 +8,10 @@ A configuration is SHAPE:BATCHxSEQ with optional `+` options that override the f
 alone: `+bf16` (bf16 parameters and optimizer moments), `+remat=POLICY`, `+attn=IMPL`,
 `+chunk=N` (head chunk tokens), `+lora16` (LoRA rank 16 on every projection, the base frozen),
 `+int8` (with LoRA: the frozen base quantized to int8 by qwix), `+profile` (where the device time
-goes: `benchmarks.tpu.profile`), e.g. `8b:2x2048+lora16+int8+bf16`.
+goes: `benchmarks.tpu.profile`), `+dpo` (a DPO step instead: each row one preference pair, chosen
+and rejected of T/2 tokens each, half prompt and half completion; with LoRA the reference is the
+policy with its adapters off, scored inside the measured step), e.g. `8b:2x2048+lora16+int8+bf16`,
+`0.6b:8x2048+lora16+dpo`.
 
 On the TPU machine (see ../shared/TPU.md), after `source .whl-tpu/setup.sh`, with `--out $OUT`.
 Each configuration runs in a process of its own (one process holds the chip at a time, and a
@@ -73,7 +76,7 @@ def parse_config(config: str, defaults: dict) -> tuple[str, int, int, dict]:
             o["params"] = opt
         elif opt.startswith("lora"):
             o["lora"] = int(opt[4:] or 16)
-        elif opt in ("int8", "profile"):
+        elif opt in ("int8", "profile", "dpo"):
             o[opt] = True
         elif "=" in opt:
             k, v = opt.split("=", 1)
@@ -145,6 +148,43 @@ def build(cfg, lora: int, int8: bool):
     return nnx.split(nnx.merge(nnx.graphdef(abstract), whole), nnx.LoRAParam if lora else nnx.Param, ...)
 
 
+def dpo_step(graphdef, opt, cfg, batch: int, seq: int, lora: bool, tok):
+    """A preference batch (a pair per row: two segments of T/2, prompt then completion) and
+    the jitted DPO step (`posttrain.algorithms.dpo`); with LoRA the reference's log-probs come
+    from the adapters at zero inside the step, else (precomputed) they are data."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from posttrain.algorithms import dpo
+    from posttrain.config import DPOSection
+    from posttrain.train.step import make_train_step
+
+    half = seq // 2
+    seg = np.repeat(np.array([1, 2], np.int32), half)[None].repeat(batch, 0)
+    pos = np.tile(np.arange(half, dtype=np.int32), 2)[None].repeat(batch, 0)
+    comp = (pos >= half // 2).astype(np.float32)
+    nxt = np.zeros_like(comp)
+    nxt[:, :-1] = comp[:, 1:] * (seg[:, 1:] == seg[:, :-1])
+    data = {"tokens": tok, "targets": np.roll(tok, -1, 1), "positions": pos, "segment_ids": seg,
+            "loss_mask": nxt}
+    k = seq // 2
+    if not lora:
+        data.update(ref_chosen=np.full((batch, k), -1.0, np.float32),
+                    ref_rejected=np.full((batch, k), -1.0, np.float32))
+    data = jax.tree.map(jnp.asarray, data)
+    inner = make_train_step(graphdef, opt, dpo.make_loss_fn(DPOSection(beta=0.1)))
+    ref_fn = dpo.make_reference_fn(graphdef)
+
+    def step(state, batch_):
+        if lora:
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            batch_ = {**batch_, **ref_fn(zeros, state.frozen, batch_)}
+        return inner(state, batch_)
+
+    return data, jax.jit(step, donate_argnums=0)
+
+
 def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
     import jax
     import jax.numpy as jnp
@@ -169,8 +209,11 @@ def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
             "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy(),
             "segment_ids": np.ones((batch, seq), np.int32),
             "loss_mask": np.ones((batch, seq), np.float32)}
-    data = jax.tree.map(jnp.asarray, data)
-    step = jax.jit(make_train_step(graphdef, opt, next_token_loss), donate_argnums=0)
+    if o["dpo"]:
+        data, step = dpo_step(graphdef, opt, cfg, batch, seq, bool(o["lora"]), tok)
+    else:
+        data = jax.tree.map(jnp.asarray, data)
+        step = jax.jit(make_train_step(graphdef, opt, next_token_loss), donate_argnums=0)
     t0 = time.perf_counter()
     compiled = step.lower(state, data).compile()
     compile_s = time.perf_counter() - t0
@@ -193,6 +236,9 @@ def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
     stats = dev.memory_stats() or {}
     peak = PEAK_TFLOPS.get(jax.default_backend())
     flops = flops_per_token(cfg, n_matmul, seq, weight_grads=not o["lora"]) * tps
+    if o["dpo"] and o["lora"]:  # the reference's forward (adapters off), inside the step
+        flops += (2 * n_matmul + 2 * cfg.num_hidden_layers * seq * cfg.num_attention_heads
+                  * cfg.head_dim / 2) * tps
     res = {"shape": shape, "batch": batch, "seq": seq, "tokens_per_step": batch * seq,
            "head_chunk_positions": chunk_of(cfg, batch, seq), "remat": o["remat"],
            "attention": attention_impl(cfg, seq, False), "params_dtype": o["params"],
@@ -201,7 +247,9 @@ def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
            "step_s": dt, "tokens_per_s": tps, "tflops": flops / 1e12,
            "mfu": flops / (peak * 1e12) if peak else None,
            "mfu_convention": ("4N (frozen base) + causal attention at half" if o["lora"]
-                              else "6N + causal attention at half"),
+                              else "6N + causal attention at half")
+           + (" + the reference's forward (2N)" if o["dpo"] and o["lora"] else ""),
+           "algorithm": "dpo" if o["dpo"] else "sft",
            "peak_bytes": stats.get("peak_bytes_in_use"), "compile_s": compile_s,
            "loss": float(m["loss"]) if "loss" in m else None, "device": str(dev.device_kind)}
     if o["profile"]:
@@ -256,12 +304,13 @@ def main():
         print("@@" + json.dumps(matmul_peak()))
         return
     defaults = dict(head_chunk=args.head_chunk, remat=args.remat, attention=args.attention,
-                    params=args.params, lora=0, int8=False, profile=args.profile)
+                    params=args.params, lora=0, int8=False, profile=args.profile, dpo=False)
     if args.one:
         shape, b, t, o = parse_config(args.one, defaults)
         print("@@" + json.dumps(run_one(shape, b, t, args.steps, o)))
         return
-    configs = "tiny:2x64,tiny:2x64+lora4+int8+bf16+profile" if args.dry_run else args.configs
+    configs = ("tiny:2x64,tiny:2x64+lora4+int8+bf16+profile,tiny:2x64+lora4+dpo" if args.dry_run
+               else args.configs)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     def child(one: str):  # this process never opens the chip: one process at a time holds it
