@@ -54,7 +54,8 @@ class ModelSection(Strict):
     preset: str | None = Field(None, description="named preset, e.g. qwen3_8b")
     config: ModelConfig | None = Field(None, description="explicit architecture (from scratch)")
     scan_layers: bool = True
-    remat: Literal["none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_out_proj"] = "none"
+    remat: Literal["none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_out_proj",
+                   "save_qkvo"] = "none"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     quantization: Literal["none", "int8"] = "none"

@@ -156,8 +156,10 @@ def activation_bytes_per_token_layer(mc, remat: str, tensor: int, seq_len: int) 
         return dots + scores  # the scores product's output (a batched dot), f32
     if remat == "dots_no_batch":
         return dots
-    if remat == "save_qkv_proj":
-        return e * c + hd * c
+    if remat == "save_qkv_proj":  # q, k, v projections
+        return e * c + (hd + 2 * kd) * c
+    if remat == "save_qkvo":  # and o_proj's output
+        return e * c + (hd + 2 * kd) * c + e * c
     return e * c + e * c  # save_out_proj
 
 

@@ -83,3 +83,20 @@ def test_tpu_train_step_dry_run_writes_its_table(tmp_path):
     # as the reference (loss log 2) and its few steps lower the loss from there
     assert dpo["algorithm"] == "dpo" and dpo["tokens_per_s"] > 0
     assert 0.5 < dpo["loss"] < 0.6931472
+
+
+def test_tpu_decode_dry_run_writes_its_table(tmp_path):
+    """`benchmarks/tpu/decode.py` (run on the TPU machine) stays runnable: its CPU dry run
+    decodes a tiny model through the engine's own `_generate` (scanned and unrolled layers,
+    nucleus sampling, the op profile) and writes per-step times and the roofline's bytes."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    r = subprocess.run([sys.executable, "-m", "benchmarks.tpu.decode", "--dry-run",
+                        "--out", str(tmp_path)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    plain, nucleus = json.loads((tmp_path / "decode.json").read_text())["runs"]
+    assert plain["scan_layers"] and not nucleus["scan_layers"] and nucleus["top_p"] == 0.9
+    for run in (plain, nucleus):
+        assert run["step_ms"] > 0 and run["generate_s"] > run["prefill_s"]
+        assert run["weights_bytes"] > 0 and run["kv_bytes_per_step"] > 0
+    assert nucleus["profile_per_generate"]["op_ms_per_step"] > 0

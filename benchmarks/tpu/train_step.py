@@ -6,7 +6,8 @@
 
 A configuration is SHAPE:BATCHxSEQ with optional `+` options that override the flags for it
 alone: `+bf16` (bf16 parameters and optimizer moments), `+remat=POLICY`, `+attn=IMPL`,
-`+chunk=N` (head chunk tokens), `+lora16` (LoRA rank 16 on every projection, the base frozen),
+`+chunk=N` (head chunk tokens), `+unroll` (unrolled layers instead of a scan), `+block=N`
+(splash attention's tiles), `+fused=0|1` (splash's fused backward kernel), `+lora16` (LoRA rank 16 on every projection, the base frozen),
 `+int8` (with LoRA: the frozen base quantized to int8 by qwix), `+profile` (where the device time
 goes: `benchmarks.tpu.profile`), `+dpo` (a DPO step instead: each row one preference pair, chosen
 and rejected of T/2 tokens each, half prompt and half completion; with LoRA the reference is the
@@ -53,10 +54,10 @@ PEAK_TFLOPS = {"tpu": 197.0}  # TPU v5e, bf16 dense
 
 
 def model_config(shape: str, head_chunk: int, remat: str, attention: str = "auto",
-                 params: str = "f32", lora: int = 0):
+                 params: str = "f32", lora: int = 0, unroll: bool = False):
     from posttrain.models.config import ModelConfig
 
-    sw = dict(scan_layers=not lora, remat=remat, compute_dtype="bfloat16",
+    sw = dict(scan_layers=not (lora or unroll), remat=remat, compute_dtype="bfloat16",
               param_dtype="bfloat16" if params == "bf16" else "float32",
               head_chunk_tokens=head_chunk, attention=attention)
     spec = SHAPES[shape]
@@ -76,7 +77,7 @@ def parse_config(config: str, defaults: dict) -> tuple[str, int, int, dict]:
             o["params"] = opt
         elif opt.startswith("lora"):
             o["lora"] = int(opt[4:] or 16)
-        elif opt in ("int8", "profile", "dpo"):
+        elif opt in ("int8", "profile", "dpo", "unroll"):
             o[opt] = True
         elif "=" in opt:
             k, v = opt.split("=", 1)
@@ -196,7 +197,11 @@ def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
     from posttrain.train.step import TrainState, head_chunk as chunk_of, make_train_step, \
         next_token_loss
 
-    cfg = model_config(shape, o["head_chunk"], o["remat"], o["attention"], o["params"], o["lora"])
+    from posttrain.models import layers
+
+    layers.SPLASH_BLOCK, layers.SPLASH_FUSED_BWD = o["block"], bool(o["fused"])
+    cfg = model_config(shape, o["head_chunk"], o["remat"], o["attention"], o["params"], o["lora"],
+                       o["unroll"])
     graphdef, params, rest = build(cfg, o["lora"], o["int8"])
     n_params = sum(x.size for x in jax.tree.leaves(params))
     n_matmul = matmul_params(cfg)
@@ -241,6 +246,7 @@ def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
                   * cfg.head_dim / 2) * tps
     res = {"shape": shape, "batch": batch, "seq": seq, "tokens_per_step": batch * seq,
            "head_chunk_positions": chunk_of(cfg, batch, seq), "remat": o["remat"],
+           "scan_layers": cfg.scan_layers, "splash_block": o["block"], "splash_fused_bwd": bool(o["fused"]),
            "attention": attention_impl(cfg, seq, False), "params_dtype": o["params"],
            "lora_rank": o["lora"], "int8_base": bool(o["lora"] and o["int8"]),
            "trainable_params": int(n_params), "matmul_params": int(n_matmul),
@@ -261,6 +267,23 @@ def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
     return res
 
 
+def child_result(config: str, r: subprocess.CompletedProcess) -> dict:
+    """A child process's JSON result (printed after `@@`), or its error: "out of memory", else
+    the tail of its output."""
+    if r.returncode or "@@" not in r.stdout:
+        tail = (r.stderr or r.stdout)[-600:]
+        oom = "RESOURCE_EXHAUSTED" in tail or "Out of memory" in tail
+        return {"config": config, "error": "out of memory" if oom else tail}
+    return json.loads(r.stdout.split("@@")[-1])
+
+
+def save_results(out: str | None, name: str, results: dict) -> None:
+    """Written after every run: a command cut short keeps what it measured."""
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / name).write_text(json.dumps(results, indent=1))
+
+
 def tunix_run(config: str, args, ours: dict) -> dict:
     """Tunix's SFT trainer on `config` in a process of its own, with Tunix on its path only,
     and its MFU by the same convention; `vs_ours`: our tokens/s over its."""
@@ -269,11 +292,9 @@ def tunix_run(config: str, args, ours: dict) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.tpu.tunix_sft", "--config", config,
            "--steps", str(4 if args.dry_run else args.steps)] + (["--tiny"] if args.dry_run else [])
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-    if r.returncode or "@@" not in r.stdout:
-        tail = (r.stderr or r.stdout)[-600:]
-        return {"peer": "tunix", "config": config, "error": "out of memory" if
-                "RESOURCE_EXHAUSTED" in tail or "Out of memory" in tail else tail}
-    res = json.loads(r.stdout.split("@@")[-1])
+    res = child_result(config, r)
+    if "error" in res:
+        return {"peer": "tunix", **res}
     shape, b, t, _ = parse_config(config, {})
     cfg = model_config(shape, 0, "full")
     peak = PEAK_TFLOPS.get("tpu") if ours.get("device", "").startswith("TPU") else None
@@ -285,6 +306,8 @@ def tunix_run(config: str, args, ours: dict) -> dict:
 
 
 def main():
+    from posttrain.models.layers import SPLASH_BLOCK, SPLASH_FUSED_BWD
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="0.6b:2x2048,0.6b:4x2048,0.6b:8x2048")
     ap.add_argument("--steps", type=int, default=10)
@@ -304,7 +327,8 @@ def main():
         print("@@" + json.dumps(matmul_peak()))
         return
     defaults = dict(head_chunk=args.head_chunk, remat=args.remat, attention=args.attention,
-                    params=args.params, lora=0, int8=False, profile=args.profile, dpo=False)
+                    params=args.params, lora=0, int8=False, profile=args.profile, dpo=False,
+                    unroll=False, fused=int(SPLASH_FUSED_BWD), block=SPLASH_BLOCK)
     if args.one:
         shape, b, t, o = parse_config(args.one, defaults)
         print("@@" + json.dumps(run_one(shape, b, t, args.steps, o)))
@@ -326,21 +350,13 @@ def main():
     print(f"measured bf16 matmul peak {peak} TFLOP/s", flush=True)
     results = {"measured_bf16_peak_tflops": peak, "runs": []}
     for c in configs.split(","):
-        r = child(c)
-        if r.returncode or "@@" not in r.stdout:
-            tail = (r.stderr or r.stdout)[-600:]
-            res = {"config": c, "error": "out of memory" if "RESOURCE_EXHAUSTED" in tail
-                   or "Out of memory" in tail else tail}
-        else:
-            res = json.loads(r.stdout.split("@@")[-1])
+        res = child_result(c, child(c))
         results["runs"].append(res)
         print(json.dumps(res), flush=True)
         if args.peer == "tunix":
             results["runs"].append(tunix_run(c, args, res))
             print(json.dumps(results["runs"][-1]), flush=True)
-        if args.out:  # after every run: a command cut short keeps what it measured
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "train_step.json").write_text(json.dumps(results, indent=1))
+        save_results(args.out, "train_step.json", results)
     if any("error" in r for r in results["runs"]) and args.dry_run:
         sys.exit(1)
 

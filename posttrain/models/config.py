@@ -51,7 +51,8 @@ class ModelConfig(BaseModel):
     router_z_loss_coef: float = Field(0.0, ge=0, description="router z-loss weight (ST-MoE)")
     # Implementation switches (not architecture): they never change the function computed.
     scan_layers: bool = True
-    remat: Literal["none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_out_proj"] = "none"
+    remat: Literal["none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_out_proj",
+                   "save_qkvo"] = "none"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     attention: Literal["auto", "xla", "splash"] = Field(

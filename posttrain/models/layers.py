@@ -191,7 +191,8 @@ def _attend_bwd(res, d_out):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-SPLASH_BLOCK = 512  # splash attention's query/key tile on TPU (MaxText's v5e default)
+SPLASH_BLOCK = 1024  # splash attention's query/key tile on TPU (BENCHMARKS.md: 1024 over 512)
+SPLASH_FUSED_BWD = True  # dQ computed inside the dK/dV kernel: one backward kernel, not two
 
 
 def attention_impl(cfg: ModelConfig, t: int, cached: bool) -> str:
@@ -204,6 +205,12 @@ def attention_impl(cfg: ModelConfig, t: int, cached: bool) -> str:
     if cfg.attention == "auto":
         return "splash" if jax.default_backend() == "tpu" and jax.device_count() == 1 else "xla"
     return cfg.attention
+
+
+def splash_block(t: int) -> int:
+    """Splash's tile for a length-`t` chunk (a multiple of 128): the largest of SPLASH_BLOCK,
+    512, 256 and 128 that divides it (a 1536-token chunk runs 512-wide tiles, not 128)."""
+    return next(b for b in (min(SPLASH_BLOCK, t), 512, 256, 128) if t % b == 0)
 
 
 def splash_attention(q_bthd, k_btkd, v_btkd, seg_bt) -> jax.Array:
@@ -219,10 +226,11 @@ def splash_attention(q_bthd, k_btkd, v_btkd, seg_bt) -> jax.Array:
     b, t, h, d = q_bthd.shape
     kh = k_btkd.shape[2]
     g = h // kh
-    block = min(SPLASH_BLOCK, t) if t % min(SPLASH_BLOCK, t) == 0 else 128
+    block = splash_block(t)
+    dq = {} if SPLASH_FUSED_BWD else dict(block_q_dq=block, block_kv_dq=block)
     sizes = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                           block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-                          block_q_dq=block, block_kv_dq=block)
+                          use_fused_bwd_kernel=SPLASH_FUSED_BWD, **dq)
     kernel = sa.make_splash_mqa_single_device(
         sa.MultiHeadMask([sa.CausalMask((t, t))] * g), block_sizes=sizes,
         interpret=jax.default_backend() != "tpu")
@@ -269,7 +277,7 @@ class Attention(nnx.Module):
         k = dense(self.k_proj, x_bte).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         v = dense(self.v_proj, x_bte).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         v = v.transpose(0, 2, 1, 3)  # [B, K, T, D]
-        q = checkpoint_name(q, "qkv_proj")
+        q, k, v = (checkpoint_name(x, "qkv_proj") for x in (q, k, v))
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, rope)

@@ -28,6 +28,7 @@ REMAT_POLICIES = {
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "save_qkv_proj": jax.checkpoint_policies.save_only_these_names("qkv_proj"),
     "save_out_proj": jax.checkpoint_policies.save_only_these_names("out_proj"),
+    "save_qkvo": jax.checkpoint_policies.save_only_these_names("qkv_proj", "out_proj"),
 }
 
 

@@ -28,11 +28,17 @@ def xla_attention(q, k, v, seg, pos):
     return dot_attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask)
 
 
-@pytest.mark.parametrize("h,kh", [(4, 4), (4, 2), (4, 1)])
-def test_splash_equals_xla_attention_values_and_gradients(h, kh):
-    q, k, v, seg, pos = inputs(h=h, kh=kh)
+@pytest.mark.parametrize("h,kh,t,block,fused", [
+    (4, 4, 128, 1024, True), (4, 2, 128, 1024, True), (4, 1, 128, 1024, True),
+    (4, 2, 256, 128, False)])  # 2 x 2 tiles, dQ in a kernel of its own (the default fuses it)
+def test_splash_equals_xla_attention_values_and_gradients(monkeypatch, h, kh, t, block, fused):
+    from posttrain.models import layers
+
+    monkeypatch.setattr(layers, "SPLASH_BLOCK", block)
+    monkeypatch.setattr(layers, "SPLASH_FUSED_BWD", fused)
+    q, k, v, seg, pos = inputs(h=h, kh=kh, t=t)
     real = (seg != 0)[..., None]  # [B, T, 1]
-    w = jnp.asarray(np.random.default_rng(1).normal(size=(2, 128, h * 32)).astype(np.float32))
+    w = jnp.asarray(np.random.default_rng(1).normal(size=(2, t, h * 32)).astype(np.float32))
 
     def loss(f):
         return lambda q, k, v: jnp.sum(f(q, k, v) * w * real)

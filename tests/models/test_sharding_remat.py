@@ -98,7 +98,7 @@ def test_sharded_step_matches_single_device(reference, axes):
 
 
 @pytest.mark.parametrize("remat", ["none", "full", "dots", "dots_no_batch", "save_qkv_proj",
-                                   "save_out_proj"])
+                                   "save_out_proj", "save_qkvo"])
 @pytest.mark.parametrize("scan", [True, False])
 def test_remat_and_scan_do_not_change_the_math(reference, remat, scan):
     loss, grads, _ = loss_and_grads(CFG.model_copy(update=dict(remat=remat, scan_layers=scan)))

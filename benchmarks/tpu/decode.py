@@ -1,0 +1,147 @@
+"""The JAX engine's decode on an accelerator: ms per decode step against the HBM roofline.
+
+    python -m benchmarks.tpu.decode [--configs 0.6b:64x128+128,...] [--out DIR] [--dry-run]
+
+A configuration is SHAPE:BATCHxPROMPT+NEW with optional options: `+profile` (where the device
+time goes: `benchmarks.tpu.profile`), `+unroll` (unrolled layers: one KV buffer per layer
+instead of a stacked [L, ...] cache), `+topp=P` (nucleus sampling; default temperature 1 and the
+whole vocabulary), e.g. `0.6b:128x128+128+profile`.
+
+Each configuration runs in a process of its own (one process holds the chip; one that runs out
+of memory must not take the others with it): a random bf16 model of the named shape, the
+engine's own jitted `rollout.jax_engine._generate` (prefill, the phased decode over a KV cache,
+the sampler with log-probs and kept counts), BATCH distinct prompts of PROMPT tokens, NEW new
+tokens with no stop token. The per-step time is (t(NEW) - t(1)) / (NEW - 1): the same compiled
+program run to NEW tokens and to one (prefill and the last sample only), medians of 3 calls.
+
+Rooflines (819 GB/s, TPU v5e HBM): `weights` reads every matmul weight once per step (bf16;
+the LM head included, the embedding lookup not); `weights+kv` adds the KV cache a step reads,
+averaged over the generation (B x layers x 2 x kv_heads x head_dim x 2 bytes x (PROMPT + NEW/2)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HBM_BYTES_S = {"tpu": 819e9}  # TPU v5e
+
+
+def parse_config(config: str) -> tuple[str, int, int, int, dict]:
+    """`SHAPE:BxP+N[+opt...]` -> (shape, batch, prompt, new, options)."""
+    head, new, *opts = config.split("+")
+    shape, bp = head.split(":")
+    b, p = map(int, bp.split("x"))
+    o = {"profile": False, "unroll": False, "top_p": 1.0}
+    for opt in opts:
+        if opt in ("profile", "unroll"):
+            o[opt] = True
+        elif opt.startswith("topp="):
+            o["top_p"] = float(opt[5:])
+        else:
+            raise SystemExit(f"{config}: unknown option {opt}")
+    return shape, b, p, int(new), o
+
+
+def run_one(config: str) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from benchmarks.tpu.train_step import SHAPES, matmul_params
+    from posttrain.models import CausalLM
+    from posttrain.models.config import ModelConfig
+    from rollout.jax_engine import DECODE_PHASES, _generate, phase_ends
+
+    shape, b, p, new, o = parse_config(config)
+    sw = dict(scan_layers=not o["unroll"], compute_dtype="bfloat16", param_dtype="bfloat16")
+    spec = SHAPES[shape]
+    cfg = ModelConfig.preset(spec, **sw) if isinstance(spec, str) else ModelConfig(**spec, **sw)
+    abstract = nnx.eval_shape(lambda: CausalLM(cfg, nnx.Rngs(0)))
+    state = jax.jit(lambda: nnx.state(CausalLM(cfg, nnx.Rngs(0))))()
+    graphdef = nnx.graphdef(abstract)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, p)).astype(np.int32))
+    lens = jnp.full((b,), p, jnp.int32)
+    stop = jnp.full((4,), -1, jnp.int32)
+    phases = phase_ends(new, DECODE_PHASES)
+
+    def gen(max_new: int):
+        out = _generate(graphdef, state, tokens, lens, jax.random.key(0), jnp.float32(1.0),
+                        jnp.int32(0), jnp.float32(o["top_p"]), jnp.bool_(False),
+                        jnp.int32(max_new), stop, gen_len=new, group=1, phases=phases)
+        return jax.block_until_ready(out)
+
+    t0 = time.perf_counter()
+    out = gen(new)
+    compile_s = time.perf_counter() - t0
+    assert int(out[3].min()) == new, "every row decodes NEW tokens (no stop token)"
+
+    def timed(max_new: int) -> float:
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            gen(max_new)
+            ts.append(time.perf_counter() - t0)
+        return float(np.median(ts))
+
+    t_new, t_one = timed(new), timed(1)
+    step_s = (t_new - t_one) / (new - 1)
+    weights = 2 * matmul_params(cfg)
+    kv = b * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2 * (p + new / 2)
+    bw = HBM_BYTES_S.get(jax.default_backend())
+    dev = jax.devices()[0]
+    res = {"config": config, "shape": shape, "batch": b, "prompt": p, "new": new,
+           "scan_layers": cfg.scan_layers, "top_p": o["top_p"], "phases": list(phases),
+           "compile_s": compile_s, "generate_s": t_new, "prefill_s": t_one,
+           "step_ms": step_s * 1e3, "tokens_per_s": b / step_s,
+           "weights_bytes": weights, "kv_bytes_per_step": kv,
+           "of_weights_roofline": weights / bw / step_s if bw else None,
+           "of_weights_kv_roofline": (weights + kv) / bw / step_s if bw else None,
+           "peak_bytes": (dev.memory_stats() or {}).get("peak_bytes_in_use"),
+           "device": str(dev.device_kind)}
+    if o["profile"]:
+        from benchmarks.tpu.profile import op_breakdown
+
+        prof = op_breakdown(lambda: gen(new), steps=2)
+        res["profile_per_generate"] = prof
+    return res
+
+
+def main():
+    from benchmarks.tpu.train_step import child_result, save_results
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default="0.6b:16x128+128,0.6b:64x128+128,0.6b:128x128+128,"
+                    "0.6b:256x128+128,0.6b:256x128+512")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (the test suite)")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one configuration
+    args = ap.parse_args()
+    if args.one:
+        print("@@" + json.dumps(run_one(args.one)))
+        return
+    configs = "tiny:4x32+32,tiny:8x32+48+unroll+topp=0.9+profile" if args.dry_run else args.configs
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    results = {"runs": []}
+    for c in configs.split(","):
+        r = subprocess.run([sys.executable, "-m", "benchmarks.tpu.decode", "--one", c], cwd=ROOT,
+                           env=env, capture_output=True, text=True, check=False)
+        res = child_result(c, r)
+        results["runs"].append(res)
+        print(json.dumps({k: v for k, v in res.items() if k != "profile_per_generate"}), flush=True)
+        save_results(args.out, "decode.json", results)
+    if any("error" in r for r in results["runs"]) and args.dry_run:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
