@@ -47,3 +47,50 @@ def enable() -> Path | None:
     if "jax" in sys.modules:  # JAX reads the variable when it is imported
         sys.modules["jax"].config.update("jax_compilation_cache_dir", str(path))
     return path
+
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch's event
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+
+class CompileTally:
+    """This process's XLA compiles so far, from `jax.monitoring`'s events: `count` programs
+    compiled or loaded from the persistent cache (JAX records one backend-compile duration for
+    either), `seconds` spent on them, `cache_hits` of them loaded. A recompiling loop (a new
+    shape every step) shows as a count that keeps rising after the first steps. Compiles in
+    other processes (Ray engine workers, trainer-group hosts) are theirs, not counted here."""
+
+    count = 0
+    seconds = 0.0
+    cache_hits = 0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._installed:
+            return
+        import jax.monitoring
+
+        def on_duration(event: str, duration_secs: float, **_) -> None:
+            if event == BACKEND_COMPILE:
+                cls.count += 1
+                cls.seconds += duration_secs
+
+        def on_event(event: str, **_) -> None:
+            if event == CACHE_HIT:
+                cls.cache_hits += 1
+
+        jax.monitoring.register_event_duration_secs_listener(on_duration)
+        jax.monitoring.register_event_listener(on_event)
+        cls._installed = True
+
+    @classmethod
+    def snapshot(cls) -> tuple[int, float, int]:
+        return cls.count, cls.seconds, cls.cache_hits
+
+
+def compile_metrics(before: tuple[int, float, int]) -> tuple[dict, tuple[int, float, int]]:
+    """(`compile/count`, `compile/seconds`, `compile/cache_hits` since `before`, the tally now)."""
+    now = CompileTally.snapshot()
+    return ({"compile/count": now[0] - before[0], "compile/seconds": round(now[1] - before[1], 3),
+             "compile/cache_hits": now[2] - before[2]}, now)

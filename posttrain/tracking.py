@@ -16,6 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from posttrain.compile_cache import CompileTally, compile_metrics
 from posttrain.config import RunConfig
 
 
@@ -44,6 +45,8 @@ class Tracker:
             self.progress.start()
         self.wandb = self._init_wandb(start_step)
         self._t0 = time.time()
+        CompileTally.install()
+        self._compiles = CompileTally.snapshot()
 
     def _init_wandb(self, start_step: int):
         w = self.cfg.tracking.wandb
@@ -68,8 +71,11 @@ class Tracker:
             f.write(json.dumps({"step": step, "rows": [int(r) for r in rows]}) + "\n")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """One row of metrics; with them this process's XLA compiles since the last row
+        (`compile/count`, `compile/seconds`, `compile/cache_hits`: `compile_cache.CompileTally`)."""
+        compiles, self._compiles = compile_metrics(self._compiles)
         row = {"step": step, "time": round(time.time() - self._t0, 3),
-               **{k: _scalar(v) for k, v in metrics.items()}}
+               **{k: _scalar(v) for k, v in metrics.items()}, **compiles}
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
         if self.wandb is not None:

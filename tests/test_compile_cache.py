@@ -58,3 +58,26 @@ def test_dropping_compiled_programs_unmaps_their_memory():
     jax.clear_caches()
     gc.collect()
     assert _map_count() - before < (grown - before) / 2
+
+
+def test_the_compile_tally_counts_each_new_program_once():
+    """`CompileTally` (what every metrics row reports as compile/count, compile/seconds): a
+    function jitted at a new shape is one compile, a call at a shape seen before none."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from posttrain.compile_cache import CompileTally, compile_metrics
+
+    CompileTally.install()
+    CompileTally.install()  # idempotent: one listener, not two
+    f = jax.jit(lambda x: jnp.tanh(x) * 3 - 1)
+    a, b, c = (jax.device_put(np.full(n, 0.5, np.float32)) for n in (7, 7, 9))
+    before = CompileTally.snapshot()
+    f(a).block_until_ready()
+    m, now = compile_metrics(before)
+    assert m["compile/count"] == 1 and m["compile/seconds"] > 0
+    f(b).block_until_ready()  # the same shape: no compile
+    f(c).block_until_ready()  # a new one: a compile
+    m, _ = compile_metrics(now)
+    assert m["compile/count"] == 1

@@ -73,7 +73,8 @@ def test_grpo_tiny_learns(base, tmp_path, engine, placement, off_policy, top_p):
             assert 0 < x["sampling/kept_mass"] < 1
         for k in ("time/rollout", "time/reward", "time/logprob", "time/update", "time/sync",
                   *(["time/rollout_wait"] if off_policy and x["step"] < len(m) else []),
-                  "entropy", "clip_fraction", "completion_len/mean", "groups/zero_variance"):
+                  "entropy", "clip_fraction", "completion_len/mean", "groups/zero_variance",
+                  "compile/count", "compile/seconds", "compile/cache_hits"):
             assert k in x, k
 
 
