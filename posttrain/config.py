@@ -24,7 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from posttrain.errors import UserError
-from posttrain.models.config import PRESETS, ModelConfig
+from posttrain.models.config import PRESETS, ModelConfig, RematPolicy
 from posttrain.tools import resolve_tool, tool_schema
 
 
@@ -54,8 +54,7 @@ class ModelSection(Strict):
     preset: str | None = Field(None, description="named preset, e.g. qwen3_8b")
     config: ModelConfig | None = Field(None, description="explicit architecture (from scratch)")
     scan_layers: bool = True
-    remat: Literal["none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_out_proj",
-                   "save_qkvo"] = "none"
+    remat: RematPolicy = "none"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     quantization: Literal["none", "int8"] = "none"

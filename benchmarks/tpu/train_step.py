@@ -7,8 +7,8 @@
 A configuration is SHAPE:BATCHxSEQ with optional `+` options that override the flags for it
 alone: `+bf16` (bf16 parameters and optimizer moments), `+remat=POLICY`, `+attn=IMPL`,
 `+chunk=N` (head chunk tokens), `+unroll` (unrolled layers instead of a scan), `+block=N`
-(splash attention's tiles), `+fused=0|1` (splash's fused backward kernel), `+lora16` (LoRA rank 16 on every projection, the base frozen),
-`+int8` (with LoRA: the frozen base quantized to int8 by qwix), `+profile` (where the device time
+(splash attention's tiles), `+fused=0|1` (splash's fused backward kernel), `+lora16` (LoRA
+rank 16 on every projection, the base frozen), `+int8` (with LoRA: the frozen base quantized to int8 by qwix), `+profile` (where the device time
 goes: `benchmarks.tpu.profile`), `+dpo` (a DPO step instead: each row one preference pair, chosen
 and rejected of T/2 tokens each, half prompt and half completion; with LoRA the reference is the
 policy with its adapters off, scored inside the measured step), e.g. `8b:2x2048+lora16+int8+bf16`,

@@ -23,6 +23,11 @@ class RopeScaling(BaseModel):
     original_max_position_embeddings: int = 8192
 
 
+# remat policies by name (`transformer.REMAT_POLICIES`); the recipe's `model.remat` takes the same
+RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_out_proj",
+                      "save_qkvo"]
+
+
 class ModelConfig(BaseModel):
     """Hyper-parameters of one decoder-only transformer (Qwen3 dense, Qwen3 MoE, Llama 3)."""
 
@@ -51,8 +56,7 @@ class ModelConfig(BaseModel):
     router_z_loss_coef: float = Field(0.0, ge=0, description="router z-loss weight (ST-MoE)")
     # Implementation switches (not architecture): they never change the function computed.
     scan_layers: bool = True
-    remat: Literal["none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_out_proj",
-                   "save_qkvo"] = "none"
+    remat: RematPolicy = "none"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     attention: Literal["auto", "xla", "splash"] = Field(

@@ -153,3 +153,12 @@ def test_lora_trains_under_remat(int8_base):
     for loss, grads in out.values():
         assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
         assert_close_tree(nnx.to_pure_dict(grads), nnx.to_pure_dict(ref_grads))
+
+
+def test_every_remat_name_a_config_accepts_has_a_policy():
+    from typing import get_args
+
+    from posttrain.models.config import RematPolicy
+    from posttrain.models.transformer import REMAT_POLICIES
+
+    assert set(get_args(RematPolicy)) == set(REMAT_POLICIES)
