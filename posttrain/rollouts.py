@@ -15,7 +15,7 @@ from posttrain.algorithms import grpo as G
 from posttrain.config import RunConfig
 from posttrain.data import generated
 from posttrain.data.dataset import load_rows, locate
-from posttrain.data.packing import packed_rows
+from posttrain.data.packing import bucket_down, bucket_up, packed_rows
 from posttrain.errors import UserError
 
 
@@ -128,21 +128,22 @@ def generate(cfg: RunConfig, engine, tokenizer, env, rows: list[dict], ids: list
 
 # ---- the training batch ---------------------------------------------------------------------------
 def batch_length(rollouts, seq_len: int, bucket: int = 32) -> int:
-    """Rows are padded to the longest prompt + completion rounded up to `bucket` (at most
-    `seq_len`), not to `seq_len`: a batch of short completions trains on short rows, and at most
-    seq_len / bucket shapes ever compile."""
+    """Rows are padded to the longest prompt + completion rounded up on the `bucket_up` ladder
+    of `bucket` (at most `seq_len`), not to `seq_len`: a batch of short completions trains on
+    short rows, and only the ladder's few lengths ever compile."""
     longest = max(len(r.prompt_token_ids) + len(r.token_ids) for r in rollouts)
-    return min(seq_len, -(-longest // bucket) * bucket)
+    return min(seq_len, bucket_up(longest, bucket))
 
 
 def shared_prefix_len(rollouts, group_size: int, seq_len: int, bucket: int = 16) -> int:
     """How many leading tokens every row of each group of `group_size` consecutive rows shares
-    (their prompt), rounded down to `bucket` so that few shapes compile; 0 when groups are of one
-    row, share fewer than `bucket` tokens, or a group's prompts differ."""
+    (their prompt), rounded down on the `bucket_up` ladder of `bucket` so that few shapes
+    compile; 0 when groups are of one row, share fewer than `bucket` tokens, or a group's
+    prompts differ."""
     if group_size <= 1 or len(rollouts) % group_size:
         return 0
     n = min(len(r.prompt_token_ids) for r in rollouts)
-    n = min(n, seq_len - 1) // bucket * bucket  # at least one position left to the rows' own pass
+    n = bucket_down(min(n, seq_len - 1), bucket)  # at least one position left to the rows' own pass
     for i in range(0, len(rollouts), group_size):
         head = rollouts[i].prompt_token_ids[:n]
         if any(r.prompt_token_ids[:n] != head for r in rollouts[i + 1:i + group_size]):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from posttrain.data.packing import packed_rows
+from posttrain.data.packing import bucket_up, packed_rows
 from posttrain.models.export import host_array
 from posttrain.models.hf import our_path, our_tensors
 from posttrain.models.loading import set_params
@@ -131,11 +131,11 @@ def _generate(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p
 def pack_prompts(prompts: list[list[int]], rows: int, row_len: int) -> dict | None:
     """The prompts packed first-fit decreasing into rows of `row_len` tokens for one prefill
     (segment ids keep each prompt's attention to itself, positions restart per prompt), with
-    where each prompt lies (`row`, `offset`); the row count bucketed to a multiple of 8. None
+    where each prompt lies (`row`, `offset`); the row count bucketed (`bucket_up` in 8s). None
     when that saves fewer than a quarter of the `rows` x `row_len` positions the plain prefill
     runs (a GRPO batch's few distinct prompts, prompts near the bucket's length)."""
     layout = [r for r in packed_rows([len(p) for p in prompts], row_len, 1) if r]
-    n_rows = bucket_mult(len(layout), 8)
+    n_rows = bucket_up(len(layout), 8)
     if n_rows > 0.75 * rows:
         return None
     tokens, pos, seg = (np.zeros((n_rows, row_len), np.int32) for _ in range(3))
@@ -198,7 +198,7 @@ def score_sequences(model_or_split, sequences: Sequence[Sequence[int]]) -> list[
     scores with the same function). `model_or_split`: a model or its (graphdef, state)."""
     graphdef, state = (nnx.split(model_or_split) if isinstance(model_or_split, nnx.Module)
                        else model_or_split)
-    tokens = np.zeros((bucket_pow2(len(sequences), 1), bucket_mult(max(map(len, sequences)))),
+    tokens = np.zeros((bucket_pow2(len(sequences), 1), bucket_up(max(map(len, sequences)))),
                       np.int32)
     lens = np.ones((tokens.shape[0],), np.int32)
     for i, s in enumerate(sequences):
@@ -367,7 +367,7 @@ class JaxEngine:
             raise ValueError("empty prompt")
         # each prompt prefilled once for its n samples
         u = bucket_rows(len(prompts), minimum=max(1, -(-8 // params.n)))
-        tp = bucket_mult(max(len(p) for p in prompts))
+        tp = bucket_up(max(len(p) for p in prompts))
         gen_len = bucket_mult(params.max_tokens)
         tokens = np.zeros((u, tp), np.int32)
         lens = np.ones((u,), np.int32)

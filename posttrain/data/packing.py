@@ -81,10 +81,39 @@ def pack_rows(examples: list, rows: int, seq_len: int,
     return batch, used
 
 
+# ---- shape buckets -----------------------------------------------------------------------------
+def ladder(unit: int = 32, dense: int = 4):
+    """unit, 2 unit, ..., `dense` unit (a power of two), then steps of 1.5x and 4/3x: 6, 8, 12,
+    16, 24, ... units (every power of two and its 1.5x)."""
+    m = 1
+    while True:
+        yield m * unit
+        m = m + 1 if m < dense else (m * 3 // 2 if m & (m - 1) == 0 else m * 4 // 3)
+
+
+def bucket_up(n: int, unit: int = 32, dense: int = 4) -> int:
+    """The smallest `ladder` size >= n. Every jitted shape a run sees (the engine's prompt
+    length, the update's row length and packed row count, the shared prefix) is a point of the
+    ladder, so a run compiles at most `dense + 2 log2(max / (dense unit))` sizes per axis (14 up
+    to 4096 tokens in units of 32, where multiples of 32 are 128), for at most a third of
+    padding beyond `dense` units: on a TPU a shape not seen yet costs a compile (50-80 s
+    measured for the quickstart's update), far more than its padding."""
+    return next(x for x in ladder(unit, dense) if x >= n)
+
+
+def bucket_down(n: int, unit: int = 16, dense: int = 4) -> int:
+    """The largest `ladder` size <= n; 0 below `unit`."""
+    best = 0
+    for x in ladder(unit, dense):
+        if x > n:
+            return best
+        best = x
+
+
 def packed_rows(lengths: list[int], row_len: int, row_unit: int) -> list[list[int]]:
     """The sequences (by index) of each row of `row_len` tokens, packed first-fit decreasing;
-    the row count rounded up to a bucket of about B / 8 rows (few shapes compile) that is a
-    multiple of `row_unit` (the rows every micro-batch's shard must divide into)."""
+    the row count rounded up on the `bucket_up` ladder of about B / 8 rows (few shapes compile),
+    a multiple of `row_unit` (the rows every micro-batch's shard must divide into)."""
     rows: list[list[int]] = []
     free: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
@@ -95,5 +124,5 @@ def packed_rows(lengths: list[int], row_len: int, row_unit: int) -> list[list[in
             free.append(row_len)
         rows[r].append(i)
         free[r] -= lengths[i]
-    bucket = row_unit * max(1, len(lengths) // (8 * row_unit))
-    return rows + [[] for _ in range(-len(rows) % bucket)]
+    unit = row_unit * max(1, len(lengths) // (8 * row_unit))
+    return rows + [[] for _ in range(bucket_up(len(rows), unit) - len(rows))]

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-from posttrain.data.packing import pack_rows
+from posttrain.data.packing import bucket_down, bucket_up, pack_rows, packed_rows
 from posttrain.models import ModelConfig, build_model
 from posttrain.train.step import next_token_loss
 
@@ -60,3 +60,21 @@ def test_first_fit_fills_earlier_rows_and_consumes_a_prefix():
     # without packing: one example per row, in order
     b, used = pack_rows(ex, rows=2, seq_len=6, pack=False)
     assert used == 2 and b["tokens"][:, 0].tolist() == [1, 2] and b["segment_ids"].max() == 1
+
+
+def test_shape_ladder_bounds_what_compiles():
+    """Every length a run pads to is a ladder point: 14 sizes up to 4096 tokens (multiples of
+    32 would be 128), at most 1.5x padding past the dense part, and the shared prefix rounds
+    down onto the same ladder."""
+    ups = sorted({bucket_up(n) for n in range(1, 4097)})
+    assert ups == [32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096]
+    for n in range(1, 4097):
+        b = bucket_up(n)
+        assert b >= n and (n <= 128 or b < 1.5 * n)
+        d = bucket_down(n, 16)
+        assert d <= n and (d == 0 or d == bucket_up(d, 16)) and bucket_up(d + 1, 16) > n
+    assert bucket_down(15, 16) == 0 and bucket_down(500, 16) == 384
+    # packed rows: the row count (in units of B / 8, a multiple of row_unit) is a ladder point
+    for n_long in range(0, 129, 7):
+        rows = packed_rows([60] * n_long + [4] * (128 - n_long), 64, 2)
+        assert len(rows) % 2 == 0 and len(rows) == bucket_up(len([r for r in rows if r]), 16)
