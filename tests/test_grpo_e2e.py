@@ -87,12 +87,12 @@ def test_grpo_tiny_learns(base, tmp_path, engine, placement, off_policy, top_p):
 @pytest.mark.slow
 # LoRA over the Ray transports (object store, gloo) into JAX and vLLM workers is covered bucket
 # by bucket, with the probe, by tests/rollout/test_transfer.py::test_ray_transports_deliver_bitwise
-# (CI time: the merged export a JAX worker loads is the one vLLM's workers load). vllm_nccl: two
+# (CI time: the merged export a JAX worker loads is the one vLLM's workers load, and vLLM in
+# process takes the same merged tensors as views: test_in_process_transport_into_vllm). vllm_nccl: two
 # vLLM workers in processes of their own take each sync through vLLM's NCCL engine (NCCL stood
 # in by gloo, `rollout.cuda_standins`), the second at the ranks after the first's.
 @pytest.mark.parametrize("engine,placement,transport", [
-    ("jax", "colocated", "auto"), ("vllm", "colocated", "auto"),
-    ("vllm", "disaggregated", "vllm_nccl")])
+    ("jax", "colocated", "auto"), ("vllm", "disaggregated", "vllm_nccl")])
 def test_grpo_with_lora_engines_serve_the_policy(base, tmp_path, engine, placement, transport):
     """A LoRA policy (adapters over the SFT weights) trained by GRPO at lr 1e-3: every engine
     samples from W + (alpha / r) B A after each sync (the colocated JAX engine runs the
