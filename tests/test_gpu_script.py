@@ -37,13 +37,16 @@ def test_the_install_script_installs_the_cuda_extras_then_runs_the_check():
 @pytest.mark.slow
 def test_dry_run_runs_every_part_and_writes_the_results(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    # every part but grpo (CI time: its JAX trainer + vLLM in processes of their own through the
+    # stood-in IPC engine is tests/rollout/test_vllm_transfer.py's and the GRPO e2e's path)
+    parts_run = [p for p in gpu.PARTS if p != "grpo"]
     r = subprocess.run([sys.executable, "-m", "benchmarks.gpu.run", "--out", str(tmp_path),
-                        "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=1200, start_new_session=True)
+                        "--dry-run", "--parts", ",".join(parts_run)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=1200, start_new_session=True)
     res = json.loads((tmp_path / "results.json").read_text())
     assert r.returncode == 0, json.dumps({k: v.get("error") for k, v in res["parts"].items()})[-4000:]
     parts = res["parts"]
-    assert res["dry_run"] and list(parts) == list(gpu.PARTS)
+    assert res["dry_run"] and list(parts) == parts_run
     assert all(p["status"] == "ok" for p in parts.values())
     for name in ("0.6b", "1.7b"):
         m = parts["sft"]["models"][name]
@@ -51,13 +54,10 @@ def test_dry_run_runs_every_part_and_writes_the_results(tmp_path):
     dec = parts["decode"]
     assert set(dec["engines"]) == {"jax", "vllm"} and dec["jax_over_vllm"] > 0
     assert all(e["tokens_per_s"] > 0 and e["of_roofline"] > 0 for e in dec["engines"].values())
-    grpo = parts["grpo"]  # JAX trainer + vLLM in its own processes, weights through (stood-in) IPC
-    assert grpo["transport"] == "vllm_ipc" and len(grpo["steps"]) == 3
-    assert grpo["probe_gap_max"] <= 1e-3 and all(s["sync/buckets"] >= 1 for s in grpo["steps"])
     par = parts["parity"]["models"]
     assert par["float32"]["max_abs"] <= 1e-4  # the fp32 bound of tests/models (same kernels class)
     assert par["bfloat16"]["argmax_agree"] >= 0.9
-    for p in gpu.PARTS:
+    for p in parts_run:
         assert json.loads((tmp_path / f"{p}.json").read_text())
 
 
