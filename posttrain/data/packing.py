@@ -95,13 +95,13 @@ def bucket_up(n: int, unit: int = 32, dense: int = 4) -> int:
     """The smallest `ladder` size >= n. Every jitted shape a run sees (the engine's prompt
     length, the update's row length and packed row count, the shared prefix) is a point of the
     ladder, so a run compiles at most `dense + 2 log2(max / (dense unit))` sizes per axis (14 up
-    to 4096 tokens in units of 32, where multiples of 32 are 128), for at most a third of
-    padding beyond `dense` units: on a TPU a shape not seen yet costs a compile (50-80 s
+    to 4096 tokens in units of 32, where multiples of 32 are 128); past `dense` units at most
+    a third of a padded row is padding: on a TPU a shape not seen yet costs a compile (50-80 s
     measured for the quickstart's update), far more than its padding."""
     return next(x for x in ladder(unit, dense) if x >= n)
 
 
-def bucket_down(n: int, unit: int = 16, dense: int = 4) -> int:
+def bucket_down(n: int, unit: int = 32, dense: int = 4) -> int:
     """The largest `ladder` size <= n; 0 below `unit`."""
     best = 0
     for x in ladder(unit, dense):
