@@ -27,7 +27,7 @@ from posttrain.data.packing import bucket_up, packed_rows
 from posttrain.models.export import host_array
 from posttrain.models.hf import our_path, our_tensors
 from posttrain.models.loading import set_params
-from posttrain.models.transformer import CausalLM, KVCache
+from posttrain.models.transformer import CausalLM, KVCache, layer_unstacker
 from posttrain.train.step import token_logprobs
 from rollout.buckets import Digest
 from rollout.engine import Rollout, SamplingParams, stop_string_cut
@@ -247,16 +247,25 @@ def _same_arrays(a, b) -> bool:
 class JaxEngine:
     def __init__(self, model: CausalLM, tokenizer=None, *, eos_token_ids: Sequence[int] = (),
                  version: int = 0, seed: int = 0, copy_weights: bool = False,
-                 pack_prefill: bool = True, decode_phases: int = DECODE_PHASES):
+                 pack_prefill: bool = True, decode_phases: int = DECODE_PHASES,
+                 unroll_layers: bool = True):
         self.graphdef, self.state = nnx.split(model)
+        self.cfg = model.cfg
+        # A scanned model decodes as its unrolled twin (`layer_unstacker`): one KV buffer per
+        # layer, read in place. Weights from the trainer's scanned layout are unstacked on sync.
+        self._unstack = None
+        self._given = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.state)
+        if unroll_layers and self.cfg.scan_layers:
+            self.graphdef, self._unstack = layer_unstacker(self.cfg)
+            self.state, copy_weights = self._unstack(self.state), False
+            self.cfg = self.cfg.model_copy(update={"scan_layers": False})
         self.pack_prefill = pack_prefill  # prompts several to a row in the prefill (`pack_prompts`)
         self.decode_phases = decode_phases  # at most this many cache lengths (`phase_ends`)
         # Whether `state` is the engine's own copy (nobody else holds its buffers), which a sync
         # may then overwrite in place.
-        self._owns_state = copy_weights
+        self._owns_state = copy_weights or self._unstack is not None
         if copy_weights:  # colocated with a trainer that donates its buffers
             self.state = _copy_tree(self.state)
-        self.cfg = model.cfg
         self.tokenizer = tokenizer
         eos = set(eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -276,21 +285,25 @@ class JaxEngine:
                         if jnp.issubdtype(x.dtype, jnp.floating)))
 
     def update_weights(self, weights, version: int) -> dict[str, float]:
-        """`weights`: an nnx.State of this model's layout (colocated: handed over as is), or a
-        mapping of HF tensor names to arrays in HF layout."""
+        """`weights`: an nnx.State in the layout of the model the engine was built from
+        (colocated: handed over as is), or a mapping of HF tensor names to arrays in HF layout."""
         t0 = time.perf_counter()
         if isinstance(weights, nnx.State):
+            nbytes = sum(x.nbytes for x in jax.tree.leaves(weights))
             # Own copy: the trainer donates its state buffers to the next step. The same tree
             # as the engine's (the colocated case): one jitted copy of every leaf, one dispatch,
-            # into the engine's previous buffers when they are its own.
-            if _same_arrays(weights, self.state):
-                self.state = (_copy_into(self.state, weights) if self._owns_state
-                              else _copy_tree(weights))
+            # into the engine's previous buffers when they are its own. A scanned trainer's
+            # state is unstacked (`layer_unstacker`) the same way.
+            into = self.state if self._owns_state else None
+            if _same_arrays(weights, self._given):  # the whole state, as the model was given
+                self.state = (self._unstack(weights, into) if self._unstack is not None
+                              else _copy_tree(weights) if into is None
+                              else _copy_into(into, weights))
                 self._owns_state = True
             else:  # a part of the state (the parameters): merged in
-                nnx.update(model := nnx.merge(self.graphdef, self.state), _copy_tree(weights))
+                part = self._unstack(weights) if self._unstack is not None else _copy_tree(weights)
+                nnx.update(model := nnx.merge(self.graphdef, self.state), part)
                 _, self.state = nnx.split(model)
-            nbytes = sum(x.nbytes for x in jax.tree.leaves(weights))
             self.version = version
         else:
             self.start_weight_update(version)

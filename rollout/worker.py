@@ -35,10 +35,12 @@ def build_engine(spec: dict[str, Any]):
         from rollout.jax_engine import DECODE_PHASES, JaxEngine
 
         tok = load_tokenizer(spec["tokenizer_dir"]) if spec.get("tokenizer_dir") else None
-        # the trainer's layer layout (unrolled layers decode with per-layer KV buffers)
-        model = from_pretrained(spec["model_dir"], scan_layers=spec.get("scan_layers", True))
+        # the trainer's layer layout, or straight away the unrolled one the engine decodes with
+        unroll = spec.get("unroll_layers", True)
+        model = from_pretrained(spec["model_dir"],
+                                scan_layers=spec.get("scan_layers", True) and not unroll)
         return JaxEngine(model, tok, eos_token_ids=spec.get("eos_token_ids", ()),
-                         seed=spec.get("seed", 0),
+                         seed=spec.get("seed", 0), unroll_layers=unroll,
                          decode_phases=spec.get("decode_phases", DECODE_PHASES))
     if kind == "vllm":
         from rollout.vllm_engine import VllmEngine

@@ -3,8 +3,9 @@
     python -m benchmarks.tpu.decode [--configs 0.6b:64x128+128,...] [--out DIR] [--dry-run]
 
 A configuration is SHAPE:BATCHxPROMPT+NEW with optional options: `+profile` (where the device
-time goes: `benchmarks.tpu.profile`), `+unroll` (unrolled layers: one KV buffer per layer
-instead of a stacked [L, ...] cache), `+topp=P` (nucleus sampling; default temperature 1 and the
+time goes: `benchmarks.tpu.profile`), `+scan` (scanned layers over a stacked [L, ...] cache;
+the default is unrolled layers, one KV buffer per layer, as the engine decodes:
+`rollout.unroll_layers`; `+unroll` says so explicitly), `+topp=P` (nucleus sampling; default temperature 1 and the
 whole vocabulary), e.g. `0.6b:128x128+128+profile`.
 
 Each configuration runs in a process of its own (one process holds the chip; one that runs out
@@ -38,10 +39,12 @@ def parse_config(config: str) -> tuple[str, int, int, int, dict]:
     head, new, *opts = config.split("+")
     shape, bp = head.split(":")
     b, p = map(int, bp.split("x"))
-    o = {"profile": False, "unroll": False, "top_p": 1.0}
+    o = {"profile": False, "scan": False, "top_p": 1.0}
     for opt in opts:
-        if opt in ("profile", "unroll"):
+        if opt in ("profile", "scan"):
             o[opt] = True
+        elif opt == "unroll":
+            o["scan"] = False
         elif opt.startswith("topp="):
             o["top_p"] = float(opt[5:])
         else:
@@ -61,7 +64,7 @@ def run_one(config: str) -> dict:
     from rollout.jax_engine import DECODE_PHASES, _generate, phase_ends
 
     shape, b, p, new, o = parse_config(config)
-    sw = dict(scan_layers=not o["unroll"], compute_dtype="bfloat16", param_dtype="bfloat16")
+    sw = dict(scan_layers=o["scan"], compute_dtype="bfloat16", param_dtype="bfloat16")
     spec = SHAPES[shape]
     cfg = ModelConfig.preset(spec, **sw) if isinstance(spec, str) else ModelConfig(**spec, **sw)
     abstract = nnx.eval_shape(lambda: CausalLM(cfg, nnx.Rngs(0)))
@@ -128,7 +131,7 @@ def main():
     if args.one:
         print("@@" + json.dumps(run_one(args.one)))
         return
-    configs = "tiny:4x32+32,tiny:8x32+48+unroll+topp=0.9+profile" if args.dry_run else args.configs
+    configs = "tiny:4x32+32+scan,tiny:8x32+48+topp=0.9+profile" if args.dry_run else args.configs
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     results = {"runs": []}

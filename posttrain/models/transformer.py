@@ -262,3 +262,39 @@ class CausalLM(nnx.Module):
         if with_router_losses:
             return out, router_losses(self.cfg, stats)
         return out if cache is None else (out, cache)
+
+
+def layer_unstacker(cfg: ModelConfig):
+    """(graphdef, unstack) for a scanned model's unrolled twin: `unstack(state[, into])` (jitted,
+    one dispatch) takes the scanned model's state, or a part of it, to the twin's layout, each
+    stacked [L, ...] leaf under `model.layers` split into its L layers' leaves. The decode of
+    unrolled layers reads one KV buffer per layer in place, where a layer of a scan slices its
+    keys and values out of the stacked cache, a copy per layer per step (24% of the decode's
+    time on a TPU v5e, BENCHMARKS.md)."""
+    twin = cfg.model_copy(update={"scan_layers": False})
+    graphdef, like = nnx.split(nnx.eval_shape(lambda: CausalLM(twin, nnx.Rngs(0))))
+    like = [(tuple(p), v) for p, v in nnx.to_flat_state(like)]
+
+    def source(path):
+        if path[:2] == ("model", "layers"):  # ("model", "layers", i, ...) <- ("model", "layers", ...)[i]
+            return path[:2] + path[3:], path[2]
+        return path, None
+
+    def unstack(state: nnx.State, into: nnx.State | None = None) -> nnx.State:
+        """With `into` (a state of the twin's, donated) the result is written into its buffers."""
+        return _unstack(state) if into is None else _unstack_into(into, state)
+
+    def unstack_tree(state):
+        src = {tuple(p): v for p, v in nnx.to_flat_state(state)}
+        out = []
+        for path, var in like:
+            at, layer = source(path)
+            if at in src:
+                value = src[at].get_value()
+                out.append((path, var.replace(value if layer is None else value[layer])))
+        return nnx.from_flat_state(out)
+
+    _unstack = jax.jit(unstack_tree)
+    _unstack_into = jax.jit(lambda into, state: unstack_tree(state), donate_argnums=0,
+                            keep_unused=True)
+    return graphdef, unstack

@@ -102,7 +102,8 @@ def trainer_logprobs(model, prompt, completion, temperature=1.0):
 
 def scanned(d) -> bool:
     """The engine-equivalence tests run scanned layers on Qwen3 and unrolled ones on Llama 3
-    (each layout and each architecture once, not the four pairs: CI time)."""
+    (each layout and each architecture once, not the four pairs: CI time); their engines keep
+    the scan (`unroll_layers=False`), whose cache path the twin's test compares with."""
     return d.name.startswith("qwen3")
 
 
@@ -212,7 +213,8 @@ def test_colocated_sync_writes_into_the_engines_own_buffers_only(setup):
     assert not any(x.is_deleted() for x in jax.tree.leaves(nnx.state(updated)))
     assert [r.token_ids for r in eng.generate(PROMPTS, greedy)] == before
 
-    colocated = JaxEngine(from_pretrained(d), tok, copy_weights=True)
+    # the trainer's own layout (a scanned one's unrolled twin: the test below)
+    colocated = JaxEngine(from_pretrained(d), tok, copy_weights=True, unroll_layers=False)
     own = buffers(colocated.state)
     colocated.update_weights(nnx.state(updated), version=1)
     assert buffers(colocated.state) == own
@@ -283,7 +285,7 @@ def test_shared_prefill_equals_one_prefill_per_sample(setup):
     matmuls run over fewer rows, fp32 reduction order only."""
     d, _, tok, _ = setup
     model = from_pretrained(d, scan_layers=scanned(d))
-    eng = JaxEngine(model, tok)
+    eng = JaxEngine(model, tok, unroll_layers=False)
     n = 4
     for sp in (SamplingParams(temperature=0, max_tokens=16, n=n, ignore_eos=True),
                SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, n=n, seed=3),
@@ -304,7 +306,8 @@ def test_packed_prefill_equals_the_plain_prefill(setup):
 
     d, _, tok, _ = setup
     model = from_pretrained(d, scan_layers=scanned(d))
-    packed, plain = JaxEngine(model, tok), JaxEngine(model, tok, pack_prefill=False)
+    packed = JaxEngine(model, tok, unroll_layers=False)
+    plain = JaxEngine(model, tok, pack_prefill=False, unroll_layers=False)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, model.cfg.vocab_size, int(rng.integers(2, 30))).tolist()
                for _ in range(45)]
@@ -334,7 +337,8 @@ def test_phased_decode_equals_one_loop_over_the_whole_cache(setup):
 
     d, _, tok, _ = setup
     model = from_pretrained(d, scan_layers=scanned(d))
-    phased, whole = JaxEngine(model, tok, decode_phases=4), JaxEngine(model, tok, decode_phases=1)
+    phased = JaxEngine(model, tok, decode_phases=4, unroll_layers=False)
+    whole = JaxEngine(model, tok, decode_phases=1, unroll_layers=False)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, model.cfg.vocab_size, int(rng.integers(2, 30))).tolist()
                for _ in range(12)]
@@ -346,6 +350,31 @@ def test_phased_decode_equals_one_loop_over_the_whole_cache(setup):
         assert_same_samples(model, a, b, sp)
         lengths = {len(o.token_ids) for o in a}
         assert max(lengths) == 70 and (sp.temperature == 0 or min(lengths) < 32), lengths
+
+
+def test_a_scanned_model_decodes_as_its_unrolled_twin(setup):
+    """The engine decodes a scanned model with its layers unrolled (one KV buffer per layer,
+    read in place; `layer_unstacker`): the same tokens and kept counts as the scan's own decode,
+    log-probs within 1e-5 (the same matmuls; fp32 reduction order only), greedy and nucleus
+    with n = 2 over phases; and a colocated sync of the trainer's scanned state lands in the
+    engine's own buffers and serves the new weights."""
+    d, _, tok, updated = setup
+    model = from_pretrained(d, scan_layers=True)
+    twin, scan = JaxEngine(model, tok, copy_weights=True), JaxEngine(model, tok, unroll_layers=False)
+    assert not twin.cfg.scan_layers and scan.cfg.scan_layers
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, model.cfg.vocab_size, int(rng.integers(2, 30))).tolist()
+               for _ in range(6)]
+    sps = (SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+           SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, n=2, seed=3))
+    for sp in sps:
+        assert_same_samples(model, twin.generate(prompts, sp), scan.generate(prompts, sp), sp)
+    own = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(twin.state)]
+    twin.update_weights(nnx.state(updated), version=1)  # scanned: from the trainer's layout
+    scan.update_weights(nnx.state(updated), version=1)
+    assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(twin.state)] == own
+    for sp in sps:
+        assert_same_samples(updated, twin.generate(prompts, sp), scan.generate(prompts, sp), sp)
 
 
 def test_phase_ends_split_the_generation_into_whole_steps():
