@@ -319,9 +319,20 @@ class GRPOSection(Strict):
     pack: bool = Field(True, description=(
         "pack several completions to a training row (segment ids keep attention within each) "
         "when that costs fewer token positions than padding every row to the longest"))
+    shapes: Literal["auto", "ladder", "fixed"] = Field("auto", description=(
+        "the update's batch shapes: ladder = rows padded to the longest on the shape ladder "
+        "(`data.packing.bucket_up`), packed when cheaper, prompts shared per group (least "
+        "padding, a few shapes, each compiled once); fixed = every row padded to data.seq_len, "
+        "one per completion (one shape, one compile); auto = fixed on TPUs, where even the "
+        "quickstart's 3M-parameter update compiles in ~50 s (each ladder shape again), ladder "
+        "elsewhere"))
     tis: TISSection = TISSection()
     dynamic_sampling: DynamicSampling = DynamicSampling()
     chat_template: bool = True
+
+    def fixed_shapes(self, platform: str) -> bool:
+        """Whether the update runs one fixed batch shape on `platform` (`shapes`)."""
+        return self.shapes == "fixed" or (self.shapes == "auto" and platform == "tpu")
 
     @property
     def clip(self) -> tuple[float, float]:

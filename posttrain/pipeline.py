@@ -35,6 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from posttrain.algorithms import grpo as G
@@ -111,6 +112,7 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                 check_probe([engine], trainer.score, probe, 0)
 
             row_unit = trainer.row_unit() if g.pack else 0
+            fixed = g.fixed_shapes(jax.default_backend())
 
             def produce(step: int) -> dict:
                 """Rollouts, rewards and the training batch of `step` (on the engine's current
@@ -127,7 +129,7 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                         "scores": scores, "attempts": attempts, "times": times,
                         "prompt_ids": prompt_ids,
                         "batch": build_batch(rollouts, adv, cfg.data.seq_len, g.group_size,
-                                             row_unit)}
+                                             row_unit, fixed)}
 
             off_policy = cfg.async_.off_policy_steps > 0
             executor = ThreadPoolExecutor(1, thread_name_prefix="rollout") if off_policy else None

@@ -152,7 +152,7 @@ def shared_prefix_len(rollouts, group_size: int, seq_len: int, bucket: int = 16)
 
 
 def build_batch(rollouts, advantages: np.ndarray, seq_len: int,
-                group_size: int = 1, row_unit: int = 0) -> dict[str, np.ndarray]:
+                group_size: int = 1, row_unit: int = 0, fixed: bool = False) -> dict[str, np.ndarray]:
     """Rows = prompt + completion, right-padded to `batch_length`; masks/logprobs sit on the
     positions that *predict* each completion token (position t predicts token t+1). With
     `group_size` > 1 (rows i*G .. i*G + G-1 sampled from one prompt) the batch also carries
@@ -166,13 +166,17 @@ def build_batch(rollouts, advantages: np.ndarray, seq_len: int,
     prefix: a batch of mostly short completions with a few long ones trains on a fraction of
     its padded size. A packed batch carries its advantages per token ([R, T], each sequence's
     on its tokens), which is how the loss knows its layout (`grpo.Seqs`); its row count is a
-    multiple of `row_unit`."""
+    multiple of `row_unit`.
+
+    With `fixed` every batch of b rollouts has one shape, [b, seq_len]: rows padded to
+    `seq_len`, one per sequence, no shared prefix (`grpo.shapes: fixed`: one compile of the
+    update, where each costs more than the padding)."""
     b = len(rollouts)
-    seq_len = batch_length(rollouts, seq_len)
+    seq_len = seq_len if fixed else batch_length(rollouts, seq_len)
     seqs = [(r.prompt_token_ids + r.token_ids)[:seq_len] for r in rollouts]
-    n_shared = shared_prefix_len(rollouts, group_size, seq_len)
+    n_shared = 0 if fixed else shared_prefix_len(rollouts, group_size, seq_len)
     layout, packed = [[i] for i in range(b)], False
-    if row_unit:
+    if row_unit and not fixed:
         candidate = packed_rows([len(x) for x in seqs], seq_len, row_unit)
         padded_cost = b * seq_len - (b - b // max(group_size, 1)) * n_shared
         if len(candidate) * seq_len < padded_cost:

@@ -111,10 +111,15 @@ def test_grpo_with_lora_engines_serve_the_policy(base, tmp_path, engine, placeme
                            f"stages.1.rollout.num_workers={2 if transport == 'vllm_nccl' else 1}",
                            "stages.1.rollout.bucket_mb=1",
                            "rewards.functions=[{fn: tests/rewards_for_tests.py:says_seven}]",
-                           "stages.1.rollout.enforce_eager=true"],
+                           "stages.1.rollout.enforce_eager=true",
+                           # one update shape (the TPU's default), so nothing compiles after step 1
+                           *(["stages.1.grpo.shapes=fixed"] if engine == "jax" else [])],
         **({"POSTTRAIN_CUDA_STANDINS": "1"} if transport.startswith("vllm_") else {}))
     m = [x for x in metrics(d / "grpo") if x.get("reward_mean") is not None]
     assert len(m) == 4
+    if engine == "jax":  # the trainer, the engine, the sync and the probe in this process
+        assert m[0]["compile/count"] > 0 and [x["compile/count"] for x in m[1:]] == [0] * 3, \
+            [x["compile/count"] for x in m]
     tol = 1e-3 if engine == "vllm" else 1e-4
     for x in m:
         assert x["mismatch/mean_abs_logp_diff"] <= tol and x["mismatch/kl"] < 1e-4, x

@@ -96,9 +96,13 @@ def test_packed_batch_gives_the_padded_loss_gradients_logprobs_and_metrics(tiny,
     rs = rollouts(MIXED)
     rewards = np.array([1, 0, 0, 1, 0, 1, 1, 0, 1, 1, 1, 0, 0, 0, 1, 0], float)
     adv = grpo_advantages(rewards, G)
-    batches = {name: {k: jnp.asarray(v) for k, v in build_batch(rs, adv, 128, G, unit).items()}
-               for name, unit in (("padded", 0), ("packed", 1))}
+    batches = {name: {k: jnp.asarray(v) for k, v in
+                      build_batch(rs, adv, 128, G, unit, fixed=name == "fixed").items()}
+               for name, unit in (("padded", 0), ("packed", 1), ("fixed", 1))}
     assert batches["packed"]["advantages"].ndim == 2
+    # fixed shapes (`grpo.shapes: fixed`): every row padded to seq_len, no packing, no prefix
+    assert batches["fixed"]["tokens"].shape == (len(rs), 128) and "shared_prefix" not in batches["fixed"]
+    assert batches["padded"]["tokens"].shape[1] < 128
     graphdef, params, rest = nnx.split(tiny, nnx.Param, ...)
     loss_fn = make_loss_fn(cfg)
 
@@ -114,13 +118,16 @@ def test_packed_batch_gives_the_padded_loss_gradients_logprobs_and_metrics(tiny,
         b = {**b, "logp_old": logp + b["logp_rollout"], "logp_ref": logp - 0.5 * b["logp_rollout"]}
         (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(params, b)
         out[name] = loss, aux, grads
-    (l_pad, a_pad, g_pad), (l_pack, a_pack, g_pack) = out["padded"], out["packed"]
-    # fp32, the same arithmetic in other shapes and orders (reduction order): ~1e-7 per op.
-    np.testing.assert_allclose(float(l_pack), float(l_pad), rtol=1e-5)
+    l_pad, a_pad, g_pad = out["padded"]
     assert float(a_pad["clip_fraction"]) > 0  # the case exercises clipping
-    for k in a_pad:
-        np.testing.assert_allclose(float(a_pack[k]), float(a_pad[k]), rtol=1e-5, atol=1e-7,
-                                   err_msg=k)
-    for (path, a), (_, b) in zip(nnx.to_flat_state(g_pack), nnx.to_flat_state(g_pad)):
-        a, b = np.asarray(a[...]), np.asarray(b[...])
-        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b) + 1e-8, path
+    for name in ("packed", "fixed"):
+        l_x, a_x, g_x = out[name]
+        # fp32, the same arithmetic in other shapes and orders (reduction order): ~1e-7 per op.
+        np.testing.assert_allclose(float(l_x), float(l_pad), rtol=1e-5, err_msg=name)
+        for k in a_pad:
+            if k != "rows/logp":
+                np.testing.assert_allclose(float(a_x[k]), float(a_pad[k]), rtol=1e-5, atol=1e-7,
+                                           err_msg=f"{name}: {k}")
+        for (path, a), (_, b) in zip(nnx.to_flat_state(g_x), nnx.to_flat_state(g_pad)):
+            a, b = np.asarray(a[...]), np.asarray(b[...])
+            assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b) + 1e-8, (name, path)
