@@ -267,3 +267,19 @@ def test_an_engine_that_slept_is_synced_and_probed_after_every_wake(models):
     eng.wake_up()
     with pytest.raises(WeightSyncError, match="LevelTwoSleeper .* version 1"):
         check_probe([eng], trained, PROBE, 1)
+
+
+def test_fp32_weights_on_a_tpu_get_the_bf16_bound_unless_matmuls_run_at_fp32(models, monkeypatch):
+    """On a TPU an fp32 matmul at the default precision is one bf16 pass: the engine's
+    sampling path and the trainer's re-score then differ at the bf16 level (0.0125 measured on a
+    v5e), so the fp32 bound (1e-4) would stop every run there; at `highest` it holds again."""
+    import rollout.jax_engine as je
+
+    d, _ = models
+    eng = JaxEngine(from_pretrained(d))
+    assert eng.probe_tolerance == 1e-4  # fp32 weights on this CPU
+    monkeypatch.setattr(je.jax, "default_backend", lambda: "tpu")
+    with jax.default_matmul_precision("default"):  # the suite runs at highest (conftest)
+        assert eng.probe_tolerance == 5e-2
+    with jax.default_matmul_precision("highest"):
+        assert eng.probe_tolerance == 1e-4
