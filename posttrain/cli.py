@@ -23,7 +23,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import jax
 
     check_recipe(stages, jax.device_count())
-    run_stages(stages)
+    run_stages(stages, args.stages.split(",") if args.stages else None)
     return 0
 
 
@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run a recipe (all its stages)")
     add_recipe_arguments(run)
+    run.add_argument("--stages", metavar="NAME[,NAME...]", help="run only these stages; one "
+                     "left out still hands its run directory's checkpoint to the next")
     run.set_defaults(fn=_cmd_run, trains=True)
 
     val = sub.add_parser("validate", help="parse and cross-check recipes without running them")

@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.console import Console
 
 from posttrain.config import RunConfig
+from posttrain.errors import UserError
 
 console = Console(stderr=True)
 
@@ -26,8 +27,18 @@ def algorithm_fn(name: str):
     return run_grpo
 
 
-def run_stages(stages: list[RunConfig]) -> list[dict]:
+def run_stages(stages: list[RunConfig], only: list[str] | None = None) -> list[dict]:
+    """Every stage in order, or those named in `only` (`posttrain run --stages`): a stage
+    left out still links the next one to its run directory (checkpoint and tokenizer), so a
+    later stage can run again over an earlier one's result."""
     import time
+
+    if only:
+        names = [c.name for c in stages]
+        unknown = [n for n in only if n not in names]
+        if unknown:
+            raise UserError(f"--stages: no stage named {', '.join(unknown)} in the recipe "
+                            f"(its stages: {', '.join(names)})")
 
     results = []
     prev: RunConfig | None = None
@@ -44,6 +55,9 @@ def run_stages(stages: list[RunConfig]) -> list[dict]:
                 update["tokenizer"] = cfg.tokenizer.model_copy(
                     update={"path": str(Path(prev.run_dir) / "tokenizer")})
             cfg = cfg.model_copy(update=update)
+        if only and cfg.name not in only:
+            prev = cfg
+            continue
         run_dir = Path(cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())

@@ -257,3 +257,20 @@ def test_the_memory_split_reaches_jax_before_it_starts(tmp_path, monkeypatch):
     assert __import__("os").environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
     apply_memory_split([cfg])
     assert __import__("os").environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.75"
+
+
+def test_run_stages_runs_the_named_stages_each_from_the_one_before(tmp_path, monkeypatch):
+    """`posttrain run --stages`: only the named stages run, a stage left out still hands its
+    run directory to the next (so GRPO can run again over a finished SFT), and an unknown name
+    is an error naming the recipe's stages."""
+    import posttrain.runner as runner
+
+    ran = []
+    monkeypatch.setattr(runner, "algorithm_fn", lambda name: lambda cfg, d: ran.append(cfg) or {})
+    stages = load_recipe("recipes/quickstart.yaml", [f"run_dir={tmp_path}", "eval.after_stage=false"])
+    runner.run_stages(stages, ["grpo"])
+    (grpo,) = ran
+    assert grpo.name == "grpo" and grpo.model.path == str(tmp_path / "sft" / "checkpoints")
+    assert not (tmp_path / "pretrain").exists() and not (tmp_path / "sft").exists()
+    with pytest.raises(UserError, match="no stage named rl .*pretrain, sft, grpo"):
+        runner.run_stages(stages, ["rl"])

@@ -28,7 +28,8 @@ RESUME = GRPO + ["stages.1.train.steps=8"]  # the crash-safety runs: 8 steps
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo_base")
-    run(RECIPE, root, BASE + ["stages.1.train.steps=1"])
+    run(RECIPE, root, BASE + ["--stages", "sft"])  # the GRPO stage is each test's
+    assert not (root / "grpo").exists()
     return root / "sft"
 
 

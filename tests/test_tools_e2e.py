@@ -26,7 +26,7 @@ GRPO = BASE + ["stages.1.train.steps=2", "stages.1.eval.every=0", "stages.1.chec
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     root = tmp_path_factory.mktemp("tools_base")
-    run(RECIPE, root, BASE + ["stages.1.train.steps=1", "stages.1.eval.every=0"])
+    run(RECIPE, root, BASE + ["--stages", "sft"])  # the GRPO stage is the test's
     return root / "sft"
 
 
