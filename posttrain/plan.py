@@ -42,6 +42,7 @@ TPU_TOPOLOGIES = {
     "v4-8": "v4:2x2x1", "v4-16": "v4:2x2x2", "v4-32": "v4:2x2x4", "v4-64": "v4:2x4x4",
     "v5p-8": "v5p:2x2x1", "v5p-16": "v5p:2x2x2", "v5p-32": "v5p:2x2x4", "v5p-64": "v5p:2x4x4",
     "v5p-128": "v5p:4x4x4", "v5p-256": "v5p:4x4x8",
+    "v5e-1": "v5e:1x1", "v6e-1": "v6e:1x1",
     "v5e-4": "v5e:2x2", "v5e-8": "v5e:2x4", "v5e-16": "v5e:4x4", "v5e-256": "v5e:16x16",
     "v6e-4": "v6e:2x2", "v6e-8": "v6e:2x4", "v6e-16": "v6e:4x4", "v6e-256": "v6e:16x16",
 }
@@ -345,8 +346,10 @@ def target_devices(topology: str | None, devices: int | None):
         from jax.experimental import topologies
 
         name = TPU_TOPOLOGIES.get(topology, topology)
+        # one chip: libtpu's default host of 2x2 chips does not divide it
+        host = {"chips_per_host_bounds": (1, 1, 1)} if _topology_devices(topology) == 1 else {}
         try:
-            topo = topologies.get_topology_desc(topology_name=name, platform="tpu")
+            topo = topologies.get_topology_desc(topology_name=name, platform="tpu", **host)
         except Exception as e:  # noqa: BLE001 - libtpu missing or unknown topology
             raise UserError(f"--topology {topology}: libtpu cannot describe it ({type(e).__name__}: "
                             f"{str(e).splitlines()[0][:200]})") from None

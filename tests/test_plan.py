@@ -91,6 +91,14 @@ def test_tpu_topology_compile_agrees_with_the_estimate(tmp_path):
     assert abs(r["trainer_total"] - x["total"]) <= 0.15 * x["total"], (r["trainer_total"], x)
 
 
+@pytest.mark.slow
+def test_a_single_tpu_chip_is_a_topology_too():
+    """`--topology v5e-1`: one chip (the TPU a developer rents first), which libtpu's default
+    host of 2x2 chips does not divide; the step compiles for it."""
+    rc, (r,) = plan("recipes/sft_tiny.yaml", "--topology", "v5e-1")
+    assert rc == 0 and r["xla"]["platform"] == "tpu" and r["xla"]["devices"] == 1
+
+
 def test_colocated_vllm_is_planned_as_a_pool_beside_jaxs():
     """vLLM in processes of its own on the trainer's GPUs: the trainer must fit JAX's pool
     (trainer.memory_fraction), vLLM holds gpu_memory_utilization beside it, and the rest of the
