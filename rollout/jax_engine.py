@@ -244,6 +244,11 @@ def _copy_into(old, new):
     return jax.tree.map(jnp.copy, new)
 
 
+def _copy(tree, into=None):
+    """The engine's own copy of `tree` (the same layout), into `into`'s buffers when given."""
+    return _copy_tree(tree) if into is None else _copy_into(into, tree)
+
+
 def _same_arrays(a, b) -> bool:
     """Same tree, and every leaf the same shape and dtype."""
     return (jax.tree.structure(a) == jax.tree.structure(b)
@@ -258,21 +263,22 @@ class JaxEngine:
                  unroll_layers: bool = True):
         self.graphdef, self.state = nnx.split(model)
         self.cfg = model.cfg
-        # A scanned model decodes as its unrolled twin (`layer_unstacker`): one KV buffer per
-        # layer, read in place. Weights from the trainer's scanned layout are unstacked on sync.
-        self._unstack = None
+        # `_take(state[, into])`: the engine's own copy of a state in the layout the model was
+        # given in (`_given`). A scanned model decodes as its unrolled twin (`layer_unstacker`):
+        # one KV buffer per layer, read in place; its copies are unstacked.
         self._given = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.state)
+        self._take = _copy
         if unroll_layers and self.cfg.scan_layers:
-            self.graphdef, self._unstack = layer_unstacker(self.cfg)
-            self.state, copy_weights = self._unstack(self.state), False
+            self.graphdef, self._take = layer_unstacker(self.cfg)
             self.cfg = self.cfg.model_copy(update={"scan_layers": False})
         self.pack_prefill = pack_prefill  # prompts several to a row in the prefill (`pack_prompts`)
         self.decode_phases = decode_phases  # at most this many cache lengths (`phase_ends`)
         # Whether `state` is the engine's own copy (nobody else holds its buffers), which a sync
-        # may then overwrite in place.
-        self._owns_state = copy_weights or self._unstack is not None
-        if copy_weights:  # colocated with a trainer that donates its buffers
-            self.state = _copy_tree(self.state)
+        # may then overwrite in place: when colocated with a trainer that donates its buffers,
+        # or unstacked.
+        self._owns_state = copy_weights or self._take is not _copy
+        if self._owns_state:
+            self.state = self._take(self.state)
         self.tokenizer = tokenizer
         eos = set(eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -301,15 +307,11 @@ class JaxEngine:
             # as the engine's (the colocated case): one jitted copy of every leaf, one dispatch,
             # into the engine's previous buffers when they are its own. A scanned trainer's
             # state is unstacked (`layer_unstacker`) the same way.
-            into = self.state if self._owns_state else None
             if _same_arrays(weights, self._given):  # the whole state, as the model was given
-                self.state = (self._unstack(weights, into) if self._unstack is not None
-                              else _copy_tree(weights) if into is None
-                              else _copy_into(into, weights))
+                self.state = self._take(weights, self.state if self._owns_state else None)
                 self._owns_state = True
             else:  # a part of the state (the parameters): merged in
-                part = self._unstack(weights) if self._unstack is not None else _copy_tree(weights)
-                nnx.update(model := nnx.merge(self.graphdef, self.state), part)
+                nnx.update(model := nnx.merge(self.graphdef, self.state), self._take(weights))
                 _, self.state = nnx.split(model)
             self.version = version
         else:
