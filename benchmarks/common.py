@@ -71,18 +71,11 @@ def matmul_peak_gflops(rows: int = 4096, reps: int = 5) -> float:
     return 2 * 2 * rows * 256 * 768 / _best_time(f, x, reps=reps) / 1e9
 
 
-def matmul_params(cfg: ModelConfig) -> int:
-    """Weights one token multiplies: every layer's projections (q, k, v, o, gate, up, down) and
-    the LM head."""
-    e, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    h, k, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    return cfg.num_hidden_layers * (e * h * d * 2 + e * k * d * 2 + 3 * e * f) + v * e
-
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """6 x (matmul params incl. the LM head) + attention scores/values (12 L T H D, full square)."""
     h, d = cfg.num_attention_heads, cfg.head_dim
-    return 6 * matmul_params(cfg) + 12 * cfg.num_hidden_layers * seq_len * h * d
+    return 6 * cfg.matmul_params() + 12 * cfg.num_hidden_layers * seq_len * h * d
 
 
 def matmul_floor_seconds(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int) -> dict:

@@ -48,7 +48,7 @@ def main() -> None:
     import numpy as np
 
     from benchmarks.common import (REFERENCE, WEIGHT_MATMULS, hlo_ops, matmul_floor_seconds,
-                                   matmul_params, matmul_peak_gflops, op_groups, op_times)
+                                   matmul_peak_gflops, op_groups, op_times)
     from benchmarks.rollout_throughput import SHAPES
     from posttrain.models import build_model
     from rollout.engine import SamplingParams
@@ -91,7 +91,7 @@ def main() -> None:
     hlo = max(per_module, key=lambda h: sum(n in h for n in per_step))
     groups = op_groups(per_step, hlo)
     busy = sum(t.wall for t in per_step.values())
-    matmul_gflop = 2 * PROMPTS * NEW * matmul_params(cfg) / 1e9
+    matmul_gflop = 2 * PROMPTS * NEW * cfg.matmul_params() / 1e9
     mm = groups[WEIGHT_MATMULS]
     print(f"decode loops ({len(phase_ends(bucket_mult(NEW), engine.decode_phases))} phases): "
           f"{len(per_step)} ops, busy {busy / NEW:.2f} of the "

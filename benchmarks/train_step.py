@@ -50,7 +50,7 @@ def build(remat: str = "none", scan: bool = True):
 
 
 def profile(peak: float) -> None:
-    from benchmarks.common import (WEIGHT_MATMULS, donating_calls, hlo_ops, matmul_params,
+    from benchmarks.common import (WEIGHT_MATMULS, donating_calls, hlo_ops,
                                    op_groups, op_times)
 
     cfg, step, state, batch = build(scan=False)
@@ -62,7 +62,7 @@ def profile(peak: float) -> None:
     groups = op_groups(ops, hlo)
     busy = sum(groups.values())
     tokens = batch["tokens"].size
-    mm_gflop = 6 * matmul_params(cfg) * tokens / 1e9
+    mm_gflop = 6 * cfg.matmul_params() * tokens / 1e9
     print(f"unrolled step, traced: busy {busy:.0f} ms (wall clock; ops that run at once on the two "
           f"cores share it), {len(ops)} ops; the weight matmuls' {mm_gflop:.1f} GFLOP at "
           f"{mm_gflop / groups[WEIGHT_MATMULS] * 1e3:.0f} GFLOP/s (peak {peak:.0f})")

@@ -94,3 +94,27 @@ def compile_metrics(before: tuple[int, float, int]) -> tuple[dict, tuple[int, fl
     now = CompileTally.snapshot()
     return ({"compile/count": now[0] - before[0], "compile/seconds": round(now[1] - before[1], 3),
              "compile/cache_hits": now[2] - before[2]}, now)
+
+
+SMALL_MODEL = 50_000_000  # matmul parameters: below this a step is milliseconds on a TPU
+
+
+def resolve_effort(setting, platform: str, matmul_params: int) -> float:
+    """`train.compile_effort` as a number: auto is -1 on a TPU for a small model (libtpu's
+    backend passes are most of a small run: the quickstart's 3M-model GRPO update compiles for
+    ~50 s at full effort and ~7 s at -1, measured with `posttrain plan --topology v5e-4`), else
+    XLA's default 0 (a real model's step is worth the compiler's time)."""
+    if setting != "auto":
+        return float(setting)
+    return -1.0 if platform == "tpu" and matmul_params < SMALL_MODEL else 0.0
+
+
+def set_effort(setting, model_cfg) -> float:
+    """Applies `train.compile_effort` to every later compile in this process (and, through the
+    environment, in the processes it starts); returns the number applied."""
+    import jax
+
+    effort = resolve_effort(setting, jax.default_backend(), model_cfg.matmul_params())
+    os.environ["JAX_EXEC_TIME_OPTIMIZATION_EFFORT"] = str(effort)
+    jax.config.update("jax_exec_time_optimization_effort", effort)
+    return effort

@@ -39,7 +39,7 @@ import jax
 import numpy as np
 
 from posttrain.algorithms import grpo as G
-from posttrain import faults, watchdog
+from posttrain import compile_cache, faults, watchdog
 from posttrain.config import RunConfig
 from posttrain.rollouts import (
     PromptIterator,
@@ -80,6 +80,7 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
     g, t, r = cfg.grpo, cfg.train, cfg.rollout
     tokenizer = prepare_tokenizer(cfg, run_dir)
     model_cfg = resolve_model_config(cfg, tokenizer)
+    compile_cache.set_effort(cfg.train.compile_effort, model_cfg)
     trainer = make_trainer(cfg, run_dir, model_cfg)
     engine = None
     with RewardPool(cfg.rewards) as pool:

@@ -367,6 +367,7 @@ def compile_train_step(cfg, mc, devices) -> dict:
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
+    from posttrain.compile_cache import resolve_effort
     from posttrain.models.transformer import CausalLM
     from posttrain.sharding import batch_sharding, make_mesh, state_shardings, use_mesh
     from posttrain.train.optimizer import (
@@ -421,7 +422,13 @@ def compile_train_step(cfg, mc, devices) -> dict:
                        donate_argnums=0, out_shardings=(state_sh, None))
         lowered = step.lower(state, batch)
         t_lower = time.perf_counter() - t0
-        compiled = lowered.compile()
+        effort = resolve_effort(cfg.train.compile_effort, devices[0].platform, mc.matmul_params())
+        prev = jax.config.jax_exec_time_optimization_effort
+        jax.config.update("jax_exec_time_optimization_effort", effort)  # as the run compiles it
+        try:
+            compiled = lowered.compile()
+        finally:
+            jax.config.update("jax_exec_time_optimization_effort", prev)
     m = compiled.memory_analysis()
     total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
              + m.temp_size_in_bytes)
@@ -430,7 +437,8 @@ def compile_train_step(cfg, mc, devices) -> dict:
             "arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
             "aliased": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
             "code": m.generated_code_size_in_bytes, "total": total,
-            "lower_s": t_lower, "compile_s": time.perf_counter() - t0 - t_lower}
+            "lower_s": t_lower, "compile_s": time.perf_counter() - t0 - t_lower,
+            "compile_effort": effort}
 
 
 # ---- the report ---------------------------------------------------------------------------------
@@ -481,7 +489,8 @@ def print_report(r: dict, console=None) -> None:
     if x:
         ratio = est.trainer / max(x["total"], 1)
         console.print(f"analytical trainer estimate / XLA = {ratio:.2f} "
-                      f"(lowered in {x['lower_s']:.1f} s, compiled in {x['compile_s']:.1f} s)")
+                      f"(lowered in {x['lower_s']:.1f} s, compiled in {x['compile_s']:.1f} s at "
+                      f"effort {x.get('compile_effort', 0):g})")
     if r["advice"]:
         console.print(f"[bold red]{r['advice'][0]}[/]")
         for a in r["advice"][1:]:

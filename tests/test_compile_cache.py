@@ -1,8 +1,11 @@
 """The persistent compilation cache every posttrain command turns on (posttrain/compile_cache.py)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from posttrain.compile_cache import cache_dir
 
@@ -81,3 +84,31 @@ def test_the_compile_tally_counts_each_new_program_once():
     f(c).block_until_ready()  # a new one: a compile
     m, _ = compile_metrics(now)
     assert m["compile/count"] == 1
+
+
+def test_compile_effort_is_low_only_for_a_small_model_on_a_tpu(monkeypatch):
+    """auto: -1 for the quickstart's 3M model on a TPU (its compiles, not its steps, are the
+    run), XLA's default for a real model or off a TPU; a number is taken as given and applies
+    to this process's later compiles and its children's."""
+    import jax
+
+    from posttrain.compile_cache import resolve_effort, set_effort
+    from posttrain.config import TrainSection
+    from posttrain.models.config import ModelConfig
+
+    tiny, real = ModelConfig(), ModelConfig.preset("qwen3_0_6b")
+    assert tiny.matmul_params() < 5e6 < 5e8 < real.matmul_params()
+    assert resolve_effort("auto", "tpu", tiny.matmul_params()) == -1.0
+    assert resolve_effort("auto", "tpu", real.matmul_params()) == 0.0
+    assert resolve_effort("auto", "cpu", tiny.matmul_params()) == 0.0
+    assert resolve_effort(0.5, "cpu", tiny.matmul_params()) == 0.5
+    with pytest.raises(ValueError, match="compile_effort"):
+        TrainSection(compile_effort=2)
+    monkeypatch.setenv("JAX_EXEC_TIME_OPTIMIZATION_EFFORT", "0")
+    prev = jax.config.jax_exec_time_optimization_effort
+    try:
+        assert set_effort(-0.5, tiny) == -0.5
+        assert jax.config.jax_exec_time_optimization_effort == -0.5
+        assert os.environ["JAX_EXEC_TIME_OPTIMIZATION_EFFORT"] == "-0.5"
+    finally:
+        jax.config.update("jax_exec_time_optimization_effort", prev)

@@ -6,7 +6,7 @@ A configuration is SHAPE:BATCHxPROMPT+NEW with optional options: `+profile` (whe
 time goes: `benchmarks.tpu.profile`), `+scan` (scanned layers over a stacked [L, ...] cache;
 the default is unrolled layers, one KV buffer per layer, as the engine decodes:
 `rollout.unroll_layers`; `+unroll` says so explicitly), `+topp=P` (nucleus sampling; default temperature 1 and the
-whole vocabulary), e.g. `0.6b:128x128+128+profile`.
+whole vocabulary), `+effort=X` (XLA's execution-time optimisation effort, -1 to 1), e.g. `0.6b:128x128+128+profile`.
 
 Each configuration runs in a process of its own (one process holds the chip; one that runs out
 of memory must not take the others with it): a random bf16 model of the named shape, the
@@ -39,7 +39,7 @@ def parse_config(config: str) -> tuple[str, int, int, int, dict]:
     head, new, *opts = config.split("+")
     shape, bp = head.split(":")
     b, p = map(int, bp.split("x"))
-    o = {"profile": False, "scan": False, "top_p": 1.0}
+    o = {"profile": False, "scan": False, "top_p": 1.0, "effort": 0.0}
     for opt in opts:
         if opt in ("profile", "scan"):
             o[opt] = True
@@ -47,6 +47,8 @@ def parse_config(config: str) -> tuple[str, int, int, int, dict]:
             o["scan"] = False
         elif opt.startswith("topp="):
             o["top_p"] = float(opt[5:])
+        elif opt.startswith("effort="):
+            o["effort"] = float(opt[7:])
         else:
             raise SystemExit(f"{config}: unknown option {opt}")
     return shape, b, p, int(new), o
@@ -58,12 +60,13 @@ def run_one(config: str) -> dict:
     import numpy as np
     from flax import nnx
 
-    from benchmarks.tpu.train_step import SHAPES, matmul_params
+    from benchmarks.tpu.train_step import SHAPES
     from posttrain.models import CausalLM
     from posttrain.models.config import ModelConfig
     from rollout.jax_engine import DECODE_PHASES, _generate, phase_ends
 
     shape, b, p, new, o = parse_config(config)
+    jax.config.update("jax_exec_time_optimization_effort", o["effort"])
     sw = dict(scan_layers=o["scan"], compute_dtype="bfloat16", param_dtype="bfloat16")
     spec = SHAPES[shape]
     cfg = ModelConfig.preset(spec, **sw) if isinstance(spec, str) else ModelConfig(**spec, **sw)
@@ -97,12 +100,13 @@ def run_one(config: str) -> dict:
 
     t_new, t_one = timed(new), timed(1)
     step_s = (t_new - t_one) / (new - 1)
-    weights = 2 * matmul_params(cfg)
+    weights = 2 * cfg.matmul_params()
     kv = b * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2 * (p + new / 2)
     bw = HBM_BYTES_S.get(jax.default_backend())
     dev = jax.devices()[0]
     res = {"config": config, "shape": shape, "batch": b, "prompt": p, "new": new,
-           "scan_layers": cfg.scan_layers, "top_p": o["top_p"], "phases": list(phases),
+           "scan_layers": cfg.scan_layers, "top_p": o["top_p"], "compile_effort": o["effort"],
+           "phases": list(phases),
            "compile_s": compile_s, "generate_s": t_new, "prefill_s": t_one,
            "step_ms": step_s * 1e3, "tokens_per_s": b / step_s,
            "weights_bytes": weights, "kv_bytes_per_step": kv,

@@ -7,7 +7,8 @@
 A configuration is SHAPE:BATCHxSEQ with optional `+` options that override the flags for it
 alone: `+bf16` (bf16 parameters and optimizer moments), `+remat=POLICY`, `+attn=IMPL`,
 `+chunk=N` (head chunk tokens), `+unroll` (unrolled layers instead of a scan), `+block=N`
-(splash attention's tiles), `+fused=0|1` (splash's fused backward kernel), `+lora16` (LoRA
+(splash attention's tiles), `+fused=0|1` (splash's fused backward kernel), `+effort=X` (XLA's execution-time
+optimisation effort, -1 to 1: `train.compile_effort`), `+lora16` (LoRA
 rank 16 on every projection, the base frozen), `+int8` (with LoRA: the frozen base quantized to int8 by qwix), `+profile` (where the device time
 goes: `benchmarks.tpu.profile`), `+dpo` (a DPO step instead: each row one preference pair, chosen
 and rejected of T/2 tokens each, half prompt and half completion; with LoRA the reference is the
@@ -89,13 +90,6 @@ def parse_config(config: str, defaults: dict) -> tuple[str, int, int, dict]:
             raise SystemExit(f"{config}: unknown option {opt}")
     return shape, b, t, o
 
-
-def matmul_params(cfg) -> int:
-    """Parameters that take part in a matmul per token: every projection and the LM head (the
-    same count for Tunix's model of the same shape)."""
-    e, hd, kd = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    per_layer = 2 * e * hd + 2 * e * kd + 3 * e * cfg.intermediate_size
-    return cfg.num_hidden_layers * per_layer + cfg.vocab_size * e
 
 
 def flops_per_token(cfg, n_matmul_params: int, seq: int, weight_grads: bool = True) -> float:
@@ -200,11 +194,12 @@ def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
     from posttrain.models import layers
 
     layers.SPLASH_BLOCK, layers.SPLASH_FUSED_BWD = o["block"], bool(o["fused"])
+    jax.config.update("jax_exec_time_optimization_effort", o["effort"])
     cfg = model_config(shape, o["head_chunk"], o["remat"], o["attention"], o["params"], o["lora"],
                        o["unroll"])
     graphdef, params, rest = build(cfg, o["lora"], o["int8"])
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    n_matmul = matmul_params(cfg)
+    n_matmul = cfg.matmul_params()
     opt = optax.adamw(1e-4)
     state = TrainState(params, rest, init_opt_state(opt, params), jnp.zeros((), jnp.int32),
                        jax.random.key_data(jax.random.key(0)))
@@ -247,6 +242,7 @@ def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
     res = {"shape": shape, "batch": batch, "seq": seq, "tokens_per_step": batch * seq,
            "head_chunk_positions": chunk_of(cfg, batch, seq), "remat": o["remat"],
            "scan_layers": cfg.scan_layers, "splash_block": o["block"], "splash_fused_bwd": bool(o["fused"]),
+           "compile_effort": o["effort"],
            "attention": attention_impl(cfg, seq, False), "params_dtype": o["params"],
            "lora_rank": o["lora"], "int8_base": bool(o["lora"] and o["int8"]),
            "trainable_params": int(n_params), "matmul_params": int(n_matmul),
@@ -298,7 +294,7 @@ def tunix_run(config: str, args, ours: dict) -> dict:
     shape, b, t, _ = parse_config(config, {})
     cfg = model_config(shape, 0, "full")
     peak = PEAK_TFLOPS.get("tpu") if ours.get("device", "").startswith("TPU") else None
-    flops = flops_per_token(cfg, matmul_params(cfg), t) * res["tokens_per_s"]
+    flops = flops_per_token(cfg, cfg.matmul_params(), t) * res["tokens_per_s"]
     res["mfu"] = flops / (peak * 1e12) if peak else None
     if "tokens_per_s" in ours:
         res["vs_ours"] = ours["tokens_per_s"] / res["tokens_per_s"]
@@ -328,7 +324,8 @@ def main():
         return
     defaults = dict(head_chunk=args.head_chunk, remat=args.remat, attention=args.attention,
                     params=args.params, lora=0, int8=False, profile=args.profile, dpo=False,
-                    unroll=False, fused=int(SPLASH_FUSED_BWD), block=SPLASH_BLOCK)
+                    unroll=False, fused=int(SPLASH_FUSED_BWD), block=SPLASH_BLOCK,
+                    effort=0.0)
     if args.one:
         shape, b, t, o = parse_config(args.one, defaults)
         print("@@" + json.dumps(run_one(shape, b, t, args.steps, o)))

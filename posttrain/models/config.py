@@ -93,6 +93,15 @@ class ModelConfig(BaseModel):
         # Qwen3 normalises queries and keys per head before RoPE; Llama 3 does not.
         return self.arch in ("qwen3", "qwen3_moe")
 
+    def matmul_params(self) -> int:
+        """Weights one token multiplies: every layer's projections (q, k, v, o, and the MLP's
+        gate, up, down: of its routed experts in a MoE) and the LM head; the embedding lookup
+        is not a matmul. 2x this is a token's forward FLOPs outside attention."""
+        e, h, k, d = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        mlp = (3 * e * self.moe_intermediate_size * self.num_experts_per_tok if self.is_moe
+               else 3 * e * self.intermediate_size)
+        return self.num_hidden_layers * (2 * e * h * d + 2 * e * k * d + mlp) + self.vocab_size * e
+
     # ---- presets: named constructors for the published sizes --------------------------------
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "ModelConfig":

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from posttrain import faults, watchdog
+from posttrain import compile_cache, faults, watchdog
 from posttrain.config import RunConfig
 from posttrain.data import generated
 from posttrain.data.dataset import Encoder, PackedBatches, load_rows
@@ -84,6 +84,7 @@ def train_language_model(cfg: RunConfig, run_dir: Path, loss_fn=next_token_loss)
 
     tokenizer = prepare_tokenizer(cfg, run_dir)
     model_cfg = resolve_model_config(cfg, tokenizer)
+    compile_cache.set_effort(cfg.train.compile_effort, model_cfg)
     t = cfg.train
     source = cfg.data.source
     if cfg.algorithm == "dpo" and source == "generated":  # pairs sampled from the starting model
