@@ -261,15 +261,21 @@ def estimate(cfg, mc, mesh_sizes: dict[str, int], hbm: float) -> Estimate:
                                      "nothing unless XLA_PYTHON_CLIENT_ALLOCATOR=platform")
         else:
             est.rollout_weights = pbytes  # the colocated JAX engine copies the (sharded) weights
-            seqs = g.prompts_per_step * g.group_size / batch_shards
+            seqs = g.prompts_per_step * g.group_size
+            if r.max_rows:  # the engine decodes at most max_rows sequences per program
+                seqs = min(seqs, max(r.max_rows // g.group_size, 1) * g.group_size)
+            seqs /= batch_shards
             from rollout.jax_engine import bucket_mult, phase_ends
 
             # a decode in phases grows its cache: at the last boundary the grown cache and the
             # one before it (short of the last phase's slots) coexist
             ends = phase_ends(bucket_mult(g.max_tokens), r.decode_phases)
             held = t + (max(0, t - (ends[-1] - ends[-2])) if len(ends) > 1 else 0)
+            # int8: a byte per value and an f32 scale per head_dim values
+            per_value = ((1 + 4 / mc.head_dim) if r.kv_cache_dtype == "int8"
+                         else 2 if mc.compute_dtype == "bfloat16" else 4)
             est.rollout_kv = seqs * held * 2 * mc.num_hidden_layers * mc.num_key_value_heads \
-                * mc.head_dim * (2 if mc.compute_dtype == "bfloat16" else 4) / mesh_sizes["tensor"]
+                * mc.head_dim * per_value / mesh_sizes["tensor"]
     return est
 
 

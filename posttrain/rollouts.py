@@ -227,7 +227,8 @@ def build_engines(cfg: RunConfig, trainer, tokenizer, run_dir: Path):
         from rollout.jax_engine import JaxEngine
 
         return JaxEngine(trainer.policy(), tokenizer, seed=cfg.seed, copy_weights=True,
-                         decode_phases=r.decode_phases, unroll_layers=r.unroll_layers)
+                         decode_phases=r.decode_phases, unroll_layers=r.unroll_layers,
+                         kv_cache_dtype=r.kv_cache_dtype, max_rows=r.max_rows)
     trainer.save_hf(hf_dir, lora_scale=cfg.model.lora.scale)
     tokenizer.save_pretrained(hf_dir)
     import jax
@@ -261,7 +262,8 @@ def build_engines(cfg: RunConfig, trainer, tokenizer, run_dir: Path):
         gpus = r.tensor_parallel_size if platform == "gpu" and r.engine == "vllm" else 0
     spec = {"kind": r.engine, "model_dir": str(hf_dir), "tokenizer_dir": str(hf_dir), "seed": cfg.seed,
             "scan_layers": trainer.model_cfg.scan_layers, "decode_phases": r.decode_phases,
-            "unroll_layers": r.unroll_layers,
+            "unroll_layers": r.unroll_layers, "kv_cache_dtype": r.kv_cache_dtype,
+            "max_rows": r.max_rows,
             "num_gpus": gpus, "vllm": vllm}
     group = WorkerGroup(spec, r.num_workers, request_timeout_s=r.request_timeout_s)
     if standins and vllm["weight_transfer"]:

@@ -15,6 +15,7 @@ over the mesh.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from collections.abc import Sequence
 from functools import partial
 
@@ -68,9 +69,10 @@ def phase_ends(gen_len: int, max_phases: int, step: int = 16) -> tuple[int, ...]
     return ends[:-1] + (gen_len,)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "gen_len", "group", "phases"))
+@partial(jax.jit, static_argnames=("graphdef", "gen_len", "group", "phases", "kv_int8"))
 def _generate(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p, full, max_new,
-              stop_ids, gen_len: int, group: int = 1, packing=None, phases: tuple[int, ...] = ()):
+              stop_ids, gen_len: int, group: int = 1, packing=None, phases: tuple[int, ...] = (),
+              kv_int8: bool = False):
     """`tokens_bt` [P, T]: the distinct prompts, each prefilled once; its KV cache and last
     logits are then repeated `group` times, so rows i * group .. i * group + group - 1 of the
     P * group decoded in lockstep are the group's samples of prompt i (GRPO's G completions
@@ -78,18 +80,20 @@ def _generate(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p
     (`pack_prompts`), which then runs over fewer padded positions. `phases`: `phase_ends`, the
     decode run as one `while_loop` per phase over a cache that grows between them (empty: one
     loop over the whole cache); the tokens are the same either way (masked slots weigh exactly
-    0), the log-probs equal up to fp32 summation order."""
+    0), the log-probs equal up to fp32 summation order. `kv_int8`: the KV cache in int8 with a
+    scale per token and head (`QuantizedKV`), half the bytes to hold and to read per step."""
     model = nnx.merge(graphdef, state)
+    kv_dtype = jnp.int8 if kv_int8 else None
     u, tp = tokens_bt.shape
     ends = phases or (gen_len,)
     if packing is None:
-        cache = KVCache.init(model.cfg, u, tp + ends[0])
+        cache = KVCache.init(model.cfg, u, tp + ends[0], kv_dtype)
         pos = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (u, tp))
         seg = (pos < lens_b[:, None]).astype(jnp.int32)
         last, cache = model(tokens_bt, pos, seg, cache, head=lambda x, lm_head: lm_head(
             jnp.take_along_axis(x, (lens_b - 1)[:, None, None], axis=1))[:, 0])  # last tokens only
     else:
-        cache, last = _packed_prefill(model, packing, lens_b, tp + ends[0])
+        cache, last = _packed_prefill(model, packing, lens_b, tp + ends[0], kv_dtype)
     cache, last, lens_b = cache.repeat(group), jnp.repeat(last, group, 0), jnp.repeat(lens_b, group)
     b = u * group
 
@@ -150,13 +154,13 @@ def pack_prompts(prompts: list[list[int]], rows: int, row_len: int) -> dict | No
     return {"tokens": tokens, "positions": pos, "segments": seg, "row": row, "offset": offset}
 
 
-def _packed_prefill(model, packing, lens_b, slots: int):
+def _packed_prefill(model, packing, lens_b, slots: int, kv_dtype=None):
     """Prefill the packed rows, then lay each prompt's keys/values out as its own cache row
     (slots 0 .. T-1 hold its tokens, the rest of its first T slots empty), as the plain prefill
     leaves them; and each prompt's last logits."""
     tokens, row, offset = packing["tokens"], packing["row"], packing["offset"]
     r, t = tokens.shape
-    packed = KVCache.init(model.cfg, r, t)
+    packed = KVCache.init(model.cfg, r, t, kv_dtype)
     # each prompt's last logits: [U, V]
     last, packed = model(tokens, packing["positions"], packing["segments"], packed,
                          head=lambda x, lm_head: lm_head(x[row, offset + lens_b - 1]))
@@ -173,12 +177,12 @@ def _packed_prefill(model, packing, lens_b, slots: int):
         pad[slot_axis] = (0, slots - t)
         return jnp.pad(out, pad)
 
-    if isinstance(packed.k, tuple):
-        k = tuple(unpack(b, 3) for b in packed.k)
-        v = tuple(unpack(b, 2) for b in packed.v)
-    else:  # scanned layers: [L, R, ...]
-        k = jax.vmap(lambda b: unpack(b, 3))(packed.k)
-        v = jax.vmap(lambda b: unpack(b, 2))(packed.v)
+    if model.cfg.scan_layers:  # [L, R, ...]
+        k = jax.tree.map(jax.vmap(lambda b: unpack(b, 3)), packed.k)
+        v = jax.tree.map(jax.vmap(lambda b: unpack(b, 2)), packed.v)
+    else:  # a buffer per layer (int8: its values and scales alike)
+        k = jax.tree.map(lambda b: unpack(b, 3), packed.k)
+        v = jax.tree.map(lambda b: unpack(b, 2), packed.v)
     pos = jnp.pad(jnp.where(valid, j, 0), ((0, 0), (0, slots - t)))
     seg = jnp.pad(valid.astype(jnp.int32), ((0, 0), (0, slots - t)))
     return KVCache(k, v, pos, seg, jnp.asarray(t, jnp.int32)), last
@@ -260,7 +264,7 @@ class JaxEngine:
     def __init__(self, model: CausalLM, tokenizer=None, *, eos_token_ids: Sequence[int] = (),
                  version: int = 0, seed: int = 0, copy_weights: bool = False,
                  pack_prefill: bool = True, decode_phases: int = DECODE_PHASES,
-                 unroll_layers: bool = True):
+                 unroll_layers: bool = True, kv_cache_dtype: str = "auto", max_rows: int = 0):
         self.graphdef, self.state = nnx.split(model)
         self.cfg = model.cfg
         # `_take(state[, into])`: the engine's own copy of a state in the layout the model was
@@ -273,6 +277,11 @@ class JaxEngine:
             self.cfg = self.cfg.model_copy(update={"scan_layers": False})
         self.pack_prefill = pack_prefill  # prompts several to a row in the prefill (`pack_prompts`)
         self.decode_phases = decode_phases  # at most this many cache lengths (`phase_ends`)
+        if kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: auto (the compute dtype) or int8")
+        self.kv_int8 = kv_cache_dtype == "int8"
+        # at most this many sampled rows (prompts x n) per decode program, 0: all at once
+        self.max_rows = max_rows
         # Whether `state` is the engine's own copy (nobody else holds its buffers), which a sync
         # may then overwrite in place: when colocated with a trainer that donates its buffers,
         # or unstacked.
@@ -374,24 +383,41 @@ class JaxEngine:
         model code runs on both sides (fp32: differences are reduction order only). On a TPU an
         fp32 matmul at the default precision is one bf16 pass, so fp32 weights there get the
         bf16 bound (the quickstart's sampling path measured 0.0125 from the trainer's re-score
-        on a v5e at the default precision)."""
+        on a v5e at the default precision). An int8 KV cache moves the sampling path's
+        log-probs by its rounding (~5e-3 on the test models): the bf16 bound too."""
         wide = all(x.dtype == jnp.float32 for x in jax.tree.leaves(self.state)
                    if jnp.issubdtype(x.dtype, jnp.floating))
-        return 1e-4 if wide and fp32_matmuls() else 5e-2
+        return 1e-4 if wide and fp32_matmuls() and not self.kv_int8 else 5e-2
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         return score_sequences((self.graphdef, self.state), sequences)
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
+        """n samples of each prompt (`rollouts[i * n + j]`: sample j of prompt i); with
+        `max_rows`, over calls of at most that many rows (prompts x n) of one program each,
+        whose KV cache is then that many rows' (a seeded request: a seed per call)."""
         prompts = [list(p) for p in prompt_token_ids]
+        per_call = max(1, self.max_rows // params.n) if self.max_rows else len(prompts)
+        if len(prompts) <= per_call:
+            return self._generate(prompts, params)
+        out = []
+        for c, i in enumerate(range(0, len(prompts), per_call)):
+            p = params if params.seed is None else replace(params, seed=params.seed + 7919 * c)
+            out += [replace(r, prompt_index=r.prompt_index + i)
+                    for r in self._generate(prompts[i:i + per_call], p, min_prompts=per_call)]
+        return out
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams,
+                  min_prompts: int = 1) -> list[Rollout]:
         rows = [p for p in prompts for _ in range(params.n)]
         if not rows:
             return []
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
-        # each prompt prefilled once for its n samples
-        u = bucket_rows(len(prompts), minimum=max(1, -(-8 // params.n)))
+        # each prompt prefilled once for its n samples; a call's rows bucketed to at least
+        # `min_prompts`' (the last of a split request compiles nothing new)
+        u = bucket_rows(max(len(prompts), min_prompts), minimum=max(1, -(-8 // params.n)))
         tp = bucket_up(max(len(p) for p in prompts))
         gen_len = bucket_mult(params.max_tokens)
         tokens = np.zeros((u, tp), np.int32)
@@ -412,7 +438,7 @@ class JaxEngine:
             jnp.float32(params.temperature), jnp.int32(params.top_k), jnp.float32(params.top_p),
             jnp.bool_(params.logprobs == "full"), jnp.int32(params.max_tokens),
             jnp.asarray(stop_ids), gen_len=gen_len, group=params.n,
-            phases=phase_ends(gen_len, self.decode_phases),
+            phases=phase_ends(gen_len, self.decode_phases), kv_int8=self.kv_int8,
             packing=None if packing is None else jax.tree.map(jnp.asarray, packing)))
         out = []
         stop_set = set(stop)

@@ -41,6 +41,8 @@ def build_engine(spec: dict[str, Any]):
                                 scan_layers=spec.get("scan_layers", True) and not unroll)
         return JaxEngine(model, tok, eos_token_ids=spec.get("eos_token_ids", ()),
                          seed=spec.get("seed", 0), unroll_layers=unroll,
+                         kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
+                         max_rows=spec.get("max_rows", 0),
                          decode_phases=spec.get("decode_phases", DECODE_PHASES))
     if kind == "vllm":
         from rollout.vllm_engine import VllmEngine

@@ -274,3 +274,15 @@ def test_run_stages_runs_the_named_stages_each_from_the_one_before(tmp_path, mon
     assert not (tmp_path / "pretrain").exists() and not (tmp_path / "sft").exists()
     with pytest.raises(UserError, match="no stage named rl .*pretrain, sft, grpo"):
         runner.run_stages(stages, ["rl"])
+
+
+def test_hub_ids_with_dots_are_not_local_paths():
+    """`Qwen/Qwen3-0.6B` is a hub id (its ".6B" is no file suffix); a data file in a folder,
+    a relative or absolute path, and a bare file name are local paths."""
+    from posttrain.config import _looks_like_path
+
+    for hub in ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", "meta-llama/Llama-3.2-1B", "openai/gsm8k"):
+        assert not _looks_like_path(hub), hub
+    for local in ("missing/train.jsonl", "./ckpt", "/data/x", "~/m", "runs/a/checkpoints",
+                  "data.parquet", "dir/weights.safetensors"):
+        assert _looks_like_path(local), local

@@ -100,3 +100,24 @@ def test_tpu_decode_dry_run_writes_its_table(tmp_path):
         assert run["step_ms"] > 0 and run["generate_s"] > run["prefill_s"]
         assert run["weights_bytes"] > 0 and run["kv_bytes_per_step"] > 0
     assert nucleus["profile_per_generate"]["op_ms_per_step"] > 0
+    assert nucleus["kv_int8"] and not plain["kv_int8"]  # int8: 1 + 4/32 bytes per value, not 2
+    per_value = {r["config"]: r["kv_bytes_per_step"] / (r["batch"] * (r["prompt"] + r["new"] / 2))
+                 for r in (plain, nucleus)}
+    assert per_value[nucleus["config"]] / per_value[plain["config"]] == (1 + 4 / 32) / 2
+
+
+def test_tpu_grpo_step_dry_run_runs_the_one_chip_recipe(tmp_path):
+    """`benchmarks/tpu/grpo_step.py` (run on the TPU machine) stays runnable: its CPU dry run
+    runs the shipped one-chip recipe (LoRA, the int8 KV cache, decode calls of at most
+    `max_rows`) through `posttrain run` on a tiny random model and reports the step's phases;
+    nothing compiles after the first step."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    r = subprocess.run([sys.executable, "-m", "benchmarks.tpu.grpo_step", "--dry-run",
+                        "--steps", "3", "--out", str(tmp_path)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads((tmp_path / "grpo_step.json").read_text())
+    assert res["workload"]["lora_rank"] == 16 and res["workload"]["rollout"]["kv_cache_dtype"] == "int8"
+    assert res["step_s"] > 0 and res["rollout_s"] > 0 and res["update_s"] > 0
+    assert res["completion_tokens_mean"] == 16  # a random policy runs to the limit
+    assert res["compiles_per_step"][2:] == [0, 0]

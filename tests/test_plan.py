@@ -130,3 +130,22 @@ def test_colocated_jax_engine_kv_counts_the_phased_decodes_two_caches():
         assert rc == 0 and r["stage"] == "grpo"
         kv[phases] = r["estimate"]["rollout KV cache"]
     assert kv[1] == full and kv[4] == full * (64 + 48) / 64
+    # at most 16 sequences per decode program (2 prompts x 8): a quarter of the 64; an int8
+    # cache: a byte per value and an f32 scale per 64 (this model's fp32 values: 4 bytes)
+    for override, share in (("stages.1.rollout.max_rows=16", 16 / 64),
+                            ("stages.1.rollout.kv_cache_dtype=int8", (1 + 4 / 64) / 4)):
+        rc, (_, r) = plan("recipes/grpo_tiny.yaml", "--no-compile", "--devices", 1,
+                          "stages.1.rollout.decode_phases=1", override)
+        assert rc == 0 and r["estimate"]["rollout KV cache"] == pytest.approx(full * share)
+
+
+def test_the_one_chip_grpo_recipe_fits_a_v5e_beside_its_engine():
+    """recipes/grpo_qwen3_0_6b_v5e.yaml (LoRA 16, 64 prompts x 8, 256 new tokens): the trainer,
+    the colocated engine's weights and its int8 KV cache of at most 64 sequences fit one v5e;
+    without `max_rows` and the int8 cache the engine's cache alone would not leave room."""
+    args = ("recipes/grpo_qwen3_0_6b_v5e.yaml", "--topology", "v5e-1", "--no-compile",
+            "model.path=null", "model.preset=qwen3_0_6b")
+    rc, (r,) = plan(*args)
+    assert rc == 0 and r["fits"], r["advice"]
+    rc, (r,) = plan(*args, "rollout.max_rows=0", "rollout.kv_cache_dtype=auto")
+    assert rc == 1 and not r["fits"]

@@ -6,7 +6,8 @@ A configuration is SHAPE:BATCHxPROMPT+NEW with optional options: `+profile` (whe
 time goes: `benchmarks.tpu.profile`), `+scan` (scanned layers over a stacked [L, ...] cache;
 the default is unrolled layers, one KV buffer per layer, as the engine decodes:
 `rollout.unroll_layers`; `+unroll` says so explicitly), `+topp=P` (nucleus sampling; default temperature 1 and the
-whole vocabulary), `+effort=X` (XLA's execution-time optimisation effort, -1 to 1), e.g. `0.6b:128x128+128+profile`.
+whole vocabulary), `+effort=X` (XLA's execution-time optimisation effort, -1 to 1), `+int8` (the
+KV cache in int8 with a scale per token and head: `rollout.kv_cache_dtype`), e.g. `0.6b:128x128+128+profile`.
 
 Each configuration runs in a process of its own (one process holds the chip; one that runs out
 of memory must not take the others with it): a random bf16 model of the named shape, the
@@ -17,7 +18,8 @@ program run to NEW tokens and to one (prefill and the last sample only), medians
 
 Rooflines (819 GB/s, TPU v5e HBM): `weights` reads every matmul weight once per step (bf16;
 the LM head included, the embedding lookup not); `weights+kv` adds the KV cache a step reads,
-averaged over the generation (B x layers x 2 x kv_heads x head_dim x 2 bytes x (PROMPT + NEW/2)).
+averaged over the generation (B x layers x 2 x kv_heads x head_dim x 2 bytes x (PROMPT + NEW/2);
+int8: 1 + 4 / head_dim bytes per value).
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ def parse_config(config: str) -> tuple[str, int, int, int, dict]:
     head, new, *opts = config.split("+")
     shape, bp = head.split(":")
     b, p = map(int, bp.split("x"))
-    o = {"profile": False, "scan": False, "top_p": 1.0, "effort": 0.0}
+    o = {"profile": False, "scan": False, "top_p": 1.0, "effort": 0.0, "int8": False}
     for opt in opts:
-        if opt in ("profile", "scan"):
+        if opt in ("profile", "scan", "int8"):
             o[opt] = True
         elif opt == "unroll":
             o["scan"] = False
@@ -82,7 +84,8 @@ def run_one(config: str) -> dict:
     def gen(max_new: int):
         out = _generate(graphdef, state, tokens, lens, jax.random.key(0), jnp.float32(1.0),
                         jnp.int32(0), jnp.float32(o["top_p"]), jnp.bool_(False),
-                        jnp.int32(max_new), stop, gen_len=new, group=1, phases=phases)
+                        jnp.int32(max_new), stop, gen_len=new, group=1, phases=phases,
+                        kv_int8=o["int8"])
         return jax.block_until_ready(out)
 
     t0 = time.perf_counter()
@@ -101,11 +104,13 @@ def run_one(config: str) -> dict:
     t_new, t_one = timed(new), timed(1)
     step_s = (t_new - t_one) / (new - 1)
     weights = 2 * cfg.matmul_params()
-    kv = b * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2 * (p + new / 2)
+    per_value = 1 + 4 / cfg.head_dim if o["int8"] else 2  # int8: + an f32 scale per head_dim
+    kv = b * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * per_value \
+        * (p + new / 2)
     bw = HBM_BYTES_S.get(jax.default_backend())
     dev = jax.devices()[0]
     res = {"config": config, "shape": shape, "batch": b, "prompt": p, "new": new,
-           "scan_layers": cfg.scan_layers, "top_p": o["top_p"], "compile_effort": o["effort"],
+           "scan_layers": cfg.scan_layers, "kv_int8": o["int8"], "top_p": o["top_p"], "compile_effort": o["effort"],
            "phases": list(phases),
            "compile_s": compile_s, "generate_s": t_new, "prefill_s": t_one,
            "step_ms": step_s * 1e3, "tokens_per_s": b / step_s,
@@ -135,7 +140,8 @@ def main():
     if args.one:
         print("@@" + json.dumps(run_one(args.one)))
         return
-    configs = "tiny:4x32+32+scan,tiny:8x32+48+topp=0.9+profile" if args.dry_run else args.configs
+    configs = ("tiny:4x32+32+scan,tiny:8x32+48+topp=0.9+profile+int8" if args.dry_run
+               else args.configs)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     results = {"runs": []}

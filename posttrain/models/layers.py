@@ -125,6 +125,33 @@ def attention_mask(q_pos_bt, q_seg_bt, k_pos_bs, k_seg_bs) -> jax.Array:
     return same & causal & (k_seg_bs[:, None, :] != 0)
 
 
+class QuantizedKV(NamedTuple):
+    """A KV buffer stored in int8 with one f32 scale per token and KV head (the absmax over the
+    head's D values / 127): keys [B, K, D, S] with scales [B, K, 1, S], values [B, K, S, D] with
+    [B, K, S, 1] (the size-1 axis where D was, so the slot axis, and every pad, repeat and
+    slice of it, is the same as the data's). Half a bf16 cache's bytes plus 1/32 for scales."""
+
+    q: jax.Array
+    scale: jax.Array
+
+
+def quantize_kv(x, d_axis: int) -> QuantizedKV:
+    """Symmetric int8 with one scale per vector along `d_axis` (a head's D values)."""
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=d_axis, keepdims=True) / 127.0
+    q = jnp.round(x / jnp.where(scale > 0, scale, 1.0))
+    return QuantizedKV(jnp.clip(q, -127, 127).astype(jnp.int8), scale)
+
+
+def write_kv(buf, chunk, at: tuple, d_axis: int):
+    """`chunk` written into the cache buffer `buf` (an array, or a `QuantizedKV` it is quantized
+    for) at index `at`."""
+    if isinstance(buf, QuantizedKV):
+        chunk = quantize_kv(chunk, d_axis)
+        return QuantizedKV(*(jax.lax.dynamic_update_slice(b, c, at) for b, c in zip(buf, chunk)))
+    return jax.lax.dynamic_update_slice(buf, chunk.astype(buf.dtype), at)
+
+
 def dot_attention(q_bthd, kt_bkds, v_bksd, mask_bts) -> jax.Array:
     """Grouped-query attention as batched matmuls over (batch, kv head): the G query heads that
     share a KV head are stacked along the row axis, [B, K, G*T, D] @ [B, K, D, S], which XLA runs
@@ -133,11 +160,14 @@ def dot_attention(q_bthd, kt_bkds, v_bksd, mask_bts) -> jax.Array:
     2.8x slower in a decode step) and values as [B, K, S, D]. The softmax scale is folded into
     the queries ([.., D] rather than [.., S] multiplies); the core is `_attend`."""
     b, t, h, d = q_bthd.shape
-    kh = kt_bkds.shape[1]
+    kh = v_bksd[0].shape[1] if isinstance(v_bksd, QuantizedKV) else v_bksd.shape[1]
     g = h // kh
     q = (q_bthd * (1 / math.sqrt(d))).astype(q_bthd.dtype)
     q = q.reshape(b, t, kh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, d)
-    out = _attend(q, kt_bkds, v_bksd, mask_bts)  # [B, K, G*T, D]
+    if isinstance(kt_bkds, QuantizedKV):  # an int8 KV cache (decode: no gradient)
+        out = _attend_int8(q, kt_bkds, v_bksd, mask_bts)
+    else:
+        out = _attend(q, kt_bkds, v_bksd, mask_bts)  # [B, K, G*T, D]
     return out.reshape(b, kh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h * d)
 
 
@@ -153,6 +183,20 @@ def _attend_parts(q, kt, v, mask_bts):
     r = 1.0 / jnp.sum(e, -1, keepdims=True)
     out = (jnp.matmul(e.astype(v.dtype), v) * r).astype(v.dtype)
     return out, e, r
+
+
+def _attend_int8(q, kt: QuantizedKV, v: QuantizedKV, mask_bts):
+    """`_attend_parts` over int8 keys and values, never dequantized whole: a key's scale
+    multiplies its column of scores after q @ K_int8, a value's scale the probabilities of its
+    slot before P @ V_int8 (both per slot, so they commute with the matmuls)."""
+    b, kh, gt, _ = q.shape
+    t, s = mask_bts.shape[1], kt.q.shape[-1]
+    scores = jnp.matmul(q, kt.q.astype(q.dtype)).astype(jnp.float32) * kt.scale  # [.., 1, S]
+    scores = jnp.where(mask_bts[:, None, None], scores.reshape(b, kh, gt // t, t, s), MASK_VALUE)
+    e = jnp.exp(scores - jnp.max(scores, -1, keepdims=True)).reshape(b, kh, gt, s)
+    r = 1.0 / jnp.sum(e, -1, keepdims=True)
+    p = (e * jnp.swapaxes(v.scale, -1, -2)).astype(q.dtype)  # [.., G*T, S] x [.., 1, S]
+    return (jnp.matmul(p, v.q.astype(q.dtype)).astype(jnp.float32) * r).astype(q.dtype)
 
 
 @jax.custom_vjp
@@ -290,19 +334,22 @@ class Attention(nnx.Module):
             keys, values, k_pos, k_seg, new_kv = k, v, pos_bt, seg_bt, None
         else:
             if kv.layer is None:
-                keys = jax.lax.dynamic_update_slice(kv.k, k.astype(kv.k.dtype), (0, 0, 0, kv.start))
-                values = jax.lax.dynamic_update_slice(kv.v, v.astype(kv.v.dtype), (0, 0, kv.start, 0))
+                keys = write_kv(kv.k, k, (0, 0, 0, kv.start), -2)
+                values = write_kv(kv.v, v, (0, 0, kv.start, 0), -1)
                 new_kv = (keys, values)
             else:
                 k_at, v_at = (kv.layer, 0, 0, 0, kv.start), (kv.layer, 0, 0, kv.start, 0)
-                k_all = jax.lax.dynamic_update_slice(kv.k, k[None].astype(kv.k.dtype), k_at)
-                v_all = jax.lax.dynamic_update_slice(kv.v, v[None].astype(kv.v.dtype), v_at)
-                keys = jax.lax.dynamic_index_in_dim(k_all, kv.layer, 0, keepdims=False)
-                values = jax.lax.dynamic_index_in_dim(v_all, kv.layer, 0, keepdims=False)
+                k_all = write_kv(kv.k, k[None], k_at, -2)
+                v_all = write_kv(kv.v, v[None], v_at, -1)
+                keys, values = jax.tree.map(
+                    lambda a: jax.lax.dynamic_index_in_dim(a, kv.layer, 0, keepdims=False),
+                    (k_all, v_all))
                 new_kv = (k_all, v_all)
             k_pos, k_seg = kv.pos, kv.seg
         mask = attention_mask(pos_bt, seg_bt, k_pos, k_seg)
-        out = dot_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask)
+        if not isinstance(keys, QuantizedKV):
+            keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+        out = dot_attention(q, keys, values, mask)
         out = dense(self.o_proj, out)
         return checkpoint_name(out, "out_proj"), new_kv
 

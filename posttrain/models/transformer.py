@@ -17,8 +17,8 @@ from flax import nnx
 
 from posttrain.models.config import ModelConfig
 from posttrain.sharding import constrain
-from posttrain.models.layers import (ACT_AXES, DTYPES, MLP, Attention, LayerKV, RMSNorm, Rope,
-                                     _init, rope_inv_freq, rope_tables)
+from posttrain.models.layers import (ACT_AXES, DTYPES, MLP, Attention, LayerKV, QuantizedKV,
+                                     RMSNorm, Rope, _init, rope_inv_freq, rope_tables)
 from posttrain.models.qwen3_moe import SparseMoeBlock, router_losses
 
 REMAT_POLICIES = {
@@ -62,7 +62,10 @@ class KVCache(NamedTuple):
 
     Unrolled models keep one buffer per layer: a layer's attention then reads its buffer as is,
     where a slice of a stacked [L, ...] array is a copy per layer per step (on CPU, half the
-    decode step of the reference model)."""
+    decode step of the reference model).
+
+    Stored in the compute dtype, or in int8 (`QuantizedKV`: a scale per token and head), half
+    the bytes, with `dtype=jnp.int8`; a buffer below is then a `QuantizedKV` of such arrays."""
 
     k: jax.Array | tuple  # scanned layers: [L, B, K, D, S]; unrolled: L arrays [B, K, D, S]
     v: jax.Array | tuple  # scanned layers: [L, B, K, S, D]; unrolled: L arrays [B, K, S, D]
@@ -75,12 +78,20 @@ class KVCache(NamedTuple):
         dtype = dtype or DTYPES[cfg.compute_dtype]
         k_shape = (batch, cfg.num_key_value_heads, cfg.head_dim, max_len)  # keys transposed
         v_shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        lead = (cfg.num_hidden_layers,) if cfg.scan_layers else ()
+
+        def zeros(shape, d_axis):
+            if jnp.dtype(dtype) != jnp.int8:
+                return jnp.zeros(lead + shape, dtype)
+            scale = list(lead + shape)
+            scale[d_axis] = 1
+            return QuantizedKV(jnp.zeros(lead + shape, jnp.int8), jnp.zeros(scale, jnp.float32))
+
         if cfg.scan_layers:
-            k = jnp.zeros((cfg.num_hidden_layers, *k_shape), dtype)
-            v = jnp.zeros((cfg.num_hidden_layers, *v_shape), dtype)
+            k, v = zeros(k_shape, -2), zeros(v_shape, -1)
         else:
-            k = tuple(jnp.zeros(k_shape, dtype) for _ in range(cfg.num_hidden_layers))
-            v = tuple(jnp.zeros(v_shape, dtype) for _ in range(cfg.num_hidden_layers))
+            k = tuple(zeros(k_shape, -2) for _ in range(cfg.num_hidden_layers))
+            v = tuple(zeros(v_shape, -1) for _ in range(cfg.num_hidden_layers))
         return cls(k, v,
                    jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((batch, max_len), jnp.int32),
                    jnp.zeros((), jnp.int32))
@@ -90,10 +101,8 @@ class KVCache(NamedTuple):
         shared by the n completions sampled from it."""
         if n == 1:
             return self
-        if isinstance(self.k, tuple):  # unrolled: one [B, ...] buffer per layer
-            k, v = (tuple(jnp.repeat(x, n, axis=0) for x in kv) for kv in (self.k, self.v))
-        else:  # scanned: [L, B, ...]
-            k, v = jnp.repeat(self.k, n, axis=1), jnp.repeat(self.v, n, axis=1)
+        # a layer's buffer is [B, K, ., .]; scanned layers stack them: [L, B, ...]
+        k, v = jax.tree.map(lambda x: jnp.repeat(x, n, axis=x.ndim - 4), (self.k, self.v))
         return KVCache(k, v, jnp.repeat(self.pos, n, axis=0), jnp.repeat(self.seg, n, axis=0),
                        self.end)
 
@@ -110,10 +119,8 @@ class KVCache(NamedTuple):
             widths[axis] = (0, extra)
             return jnp.pad(x, widths)
 
-        if isinstance(self.k, tuple):
-            k, v = tuple(pad(x, -1) for x in self.k), tuple(pad(x, -2) for x in self.v)
-        else:
-            k, v = pad(self.k, -1), pad(self.v, -2)
+        k = jax.tree.map(lambda x: pad(x, -1), self.k)  # keys' slots are the last axis
+        v = jax.tree.map(lambda x: pad(x, -2), self.v)
         return KVCache(k, v, pad(self.pos, 1), pad(self.seg, 1), self.end)
 
 

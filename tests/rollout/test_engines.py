@@ -398,3 +398,58 @@ def test_rows_bucket_to_powers_of_two_then_multiples_of_64():
 
     assert [bucket_rows(n) for n in (1, 5, 8, 9, 64, 65, 300, 512)] == [8, 8, 8, 16, 64, 128, 320, 512]
     assert bucket_rows(3, minimum=1) == 4 and bucket_rows(1, minimum=1) == 1
+
+
+def test_an_int8_kv_cache_is_half_the_bytes_and_stays_near_the_trainer(setup):
+    """`rollout.kv_cache_dtype: int8`: keys and values stored as int8 with an f32 scale per
+    token and KV head, (1 + 4 / head_dim) / 2 of a bf16 cache's bytes. The same quantized decode
+    in either layer layout and with or without the packed prefill (same tokens, log-probs within
+    1e-5); against the trainer's full-precision re-score the sampled tokens' log-probs move by
+    the cache's rounding: above the fp32 path's 1e-4 (the int8 cache is really read) and below
+    1e-2 (int8 absmax rounding is at most 1/254 of each vector's largest entry; measured 4.7e-3
+    and 3.9e-3 on the tiny Qwen3 and Llama), so the probe takes the bf16 bound, 5e-2."""
+    from posttrain.models.transformer import KVCache
+
+    d, _, tok, _ = setup
+    model = from_pretrained(d, scan_layers=True)
+    cfg = model.cfg.model_copy(update={"scan_layers": False, "compute_dtype": "bfloat16"})
+    nbytes = [sum(x.nbytes for x in jax.tree.leaves((c.k, c.v)))
+              for c in (KVCache.init(cfg, 4, 64), KVCache.init(cfg, 4, 64, jnp.int8))]
+    assert nbytes[1] == nbytes[0] * (1 + 4 / cfg.head_dim) / 2
+    twin = JaxEngine(model, tok, kv_cache_dtype="int8")
+    scan = JaxEngine(model, tok, kv_cache_dtype="int8", unroll_layers=False, pack_prefill=False)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, model.cfg.vocab_size, int(rng.integers(2, 30))).tolist()
+               for _ in range(6)]
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=32, n=2, seed=3)
+    a = twin.generate(prompts, sp)
+    assert_same_samples(model, a, scan.generate(prompts, sp), sp)
+    lp, engine_lp, mask = trainer_side(model, a, sp)
+    gap = np.abs(lp - engine_lp)[mask].max()
+    assert 1e-4 < gap < 1e-2, gap
+    assert twin.probe_tolerance == 5e-2 and JaxEngine(model, tok).probe_tolerance == 1e-4
+
+
+def test_max_rows_splits_a_request_into_calls_of_one_program(setup):
+    """`rollout.max_rows`: a request of more rows (prompts x n) than that runs as calls of at
+    most that many, each prompt's samples in one call: the same greedy completions and
+    log-probs as one call (within 1e-5: fp32 order), every prompt's samples under its own index,
+    and a short last call padded to the others' bucket: the split request compiles no program
+    beyond the one whole request's (15 prompts -> calls of 12 and 3, both in the bucket of 16)."""
+    from posttrain.compile_cache import CompileTally
+
+    d, _, tok, _ = setup
+    model = from_pretrained(d)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, model.cfg.vocab_size, int(rng.integers(2, 30))).tolist()
+               for _ in range(15)]
+    sp = SamplingParams(temperature=0, max_tokens=16, n=2, ignore_eos=True)
+    whole = JaxEngine(model, tok, pack_prefill=False).generate(prompts, sp)
+    split = JaxEngine(model, tok, pack_prefill=False, max_rows=24)  # 12 prompts x 2 per call
+    CompileTally.install()
+    before = CompileTally.snapshot()[0]
+    got = split.generate(prompts, sp)
+    assert CompileTally.snapshot()[0] == before
+    assert [r.prompt_index for r in got] == [i // 2 for i in range(30)]
+    assert [r.prompt_token_ids for r in got] == [r.prompt_token_ids for r in whole]
+    assert_same_samples(model, got, whole, sp)

@@ -1,0 +1,133 @@
+"""A GRPO step of the 0.6B shape on one accelerator chip, split by phase.
+
+    python -m benchmarks.tpu.grpo_step [--steps 5] [--out DIR] [--set KEY=VALUE ...] [--dry-run]
+
+The shipped one-chip recipe (`recipes/grpo_qwen3_0_6b_v5e.yaml`: LoRA 16, 64 prompts x 8
+samples, up to 256 new tokens, the colocated JAX engine with an int8 KV cache of at most 64
+sequences per decode program) run by `posttrain run` itself in a process of its own, with what
+this machine lacks replaced: a random model of the Qwen3-0.6B shape (the full 151,936-token
+vocabulary) written as an HF checkpoint, next to a BPE tokenizer trained on the generated
+arithmetic task, whose prompts (~20 tokens) replace GSM8K's; rows are padded to
+`data.seq_len` 384 (splash attention's 128-multiple above 20 + 256). A random policy never
+samples its end token, so every completion runs to the 256-token limit (the worst case) and the
+reward is ~0 (the step's cost does not depend on it). `--set` passes overrides to the recipe
+(e.g. `--set model.lora.rank=0`).
+
+Reported from the run's own metrics.jsonl: the median step after the first two (compiles) and
+its phases (rollout, reward, logprob, update, sync), the tokens generated per second, and the
+programs compiled per step (`compile/count`). On the TPU machine (../shared/TPU.md), after
+`source .whl-tpu/setup.sh`, with `--out $OUT`; this process never opens the chip (the model is
+made on the CPU), the run's process does. `--dry-run`: a tiny shape and workload on CPU (the
+test suite runs it so the command stays working).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "recipes" / "grpo_qwen3_0_6b_v5e.yaml"
+WARMUP = 2
+PHASES = ("time/rollout", "time/reward", "time/logprob", "time/update", "time/sync")
+
+
+def make_model(out: Path, tiny: bool) -> None:
+    """A random model of the shape (bf16 weights) and a BPE tokenizer, as an HF directory."""
+    from flax import nnx
+
+    from posttrain.data import generated
+    from posttrain.data.tokenizer import train_bpe
+    from posttrain.models import CausalLM
+    from posttrain.models.config import ModelConfig
+    from posttrain.models.export import save_hf
+
+    cfg = ModelConfig(vocab_size=4096) if tiny else ModelConfig.preset("qwen3_0_6b")
+    save_hf(CausalLM(cfg, nnx.Rngs(0)), out, dtype="bfloat16")
+    train_bpe(generated.corpus_for_tokenizer(99), 512, out)
+
+
+def recipe(model_dir: Path, run_dir: Path, steps: int, tiny: bool) -> dict:
+    """The shipped recipe with this machine's model and data."""
+    import yaml
+
+    r = yaml.safe_load(RECIPE.read_text())
+    r.update(run_dir=str(run_dir), name="bench_grpo_0_6b")
+    r["model"]["path"] = str(model_dir)
+    r["data"] = {"source": "generated", "format": "prompt_completion",
+                 "seq_len": 128 if tiny else 384}
+    r["train"]["steps"] = steps
+    r["rewards"] = {"functions": [{"fn": "math", "kwargs": {"fallback_last_number": True}}],
+                    "num_workers": 2, "dry_run": False}
+    r["eval"] = {"every": 100000, "num_problems": 8}
+    r["checkpoint"] = {"every": 0}
+    r["tracking"] = {"console": False, "wandb": {"enabled": False}}
+    if tiny:
+        r["grpo"].update(prompts_per_step=4, group_size=4, max_tokens=16, mini_batches=2)
+        r["train"]["grad_accum"] = 1
+        r["rollout"]["max_rows"] = 8
+    return r
+
+
+def summary(run_dir: Path, prompts: int, group: int) -> dict:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r.get("time/step") is not None]
+    timed = steps[WARMUP:] or steps[-1:]
+    step_s = statistics.median(r["time/step"] for r in timed)
+    gen = statistics.median(r.get("completion_len/mean", r.get("rollout/completion_len", 0))
+                            for r in timed)
+    return {"steps_timed": len(timed), "step_s": step_s,
+            **{p.split("/")[1] + "_s": statistics.median(r[p] for r in timed if p in r)
+               for p in PHASES if any(p in r for r in timed)},
+            "completion_tokens_mean": gen,
+            "generated_tokens_per_s": prompts * group * gen / step_s if gen else None,
+            "compiles_per_step": [r.get("compile/count", 0) for r in rows],
+            "compile_seconds": round(sum(r.get("compile/seconds", 0) for r in rows), 1)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--set", action="append", default=[], help="recipe override KEY=VALUE")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (the test suite)")
+    args = ap.parse_args()
+    os.environ["JAX_PLATFORMS"] = "cpu"  # this process makes the model; the run holds the chip
+    import yaml
+
+    work = Path(tempfile.mkdtemp(prefix="grpo06_"))
+    make_model(work / "model", args.dry_run)
+    run_dir = work / "run"
+    r = recipe(work / "model", run_dir, args.steps, args.dry_run)
+    (work / "recipe.yaml").write_text(yaml.safe_dump(r, sort_keys=False))
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    if args.dry_run:
+        env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    p = subprocess.run([sys.executable, "-m", "posttrain.cli", "run", str(work / "recipe.yaml"),
+                        *args.set], cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    g = r["grpo"]
+    res = {"workload": {"prompts": g["prompts_per_step"], "group": g["group_size"],
+                        "max_tokens": g["max_tokens"], "seq_len": r["data"]["seq_len"],
+                        "lora_rank": r["model"].get("lora", {}).get("rank", 0),
+                        "rollout": r["rollout"], "overrides": args.set},
+           "returncode": p.returncode}
+    if (run_dir / "metrics.jsonl").exists():
+        res.update(summary(run_dir, g["prompts_per_step"], g["group_size"]))
+    if p.returncode:
+        res["error"] = p.stderr[-1500:]
+    print(json.dumps(res), flush=True)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "grpo_step.json").write_text(json.dumps(res, indent=1))
+    sys.exit(1 if p.returncode else 0)
+
+
+if __name__ == "__main__":
+    main()
