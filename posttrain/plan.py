@@ -99,8 +99,8 @@ class Estimate:
 
 # ---- inputs ------------------------------------------------------------------------------------
 def model_config_for_plan(cfg):
-    """The architecture without downloading anything: a local model.path's config.json, else the
-    preset, else model.config."""
+    """The architecture without downloading anything: a local model.path's config.json (or a hub
+    id's, already in the local HF cache), else the preset, else model.config."""
     from pathlib import Path
 
     from posttrain.models.config import ModelConfig
@@ -111,6 +111,14 @@ def model_config_for_plan(cfg):
         from posttrain.models.loading import hf_model_config
 
         return hf_model_config(Path(m.path), **switches)
+    if m.path and m.path.count("/") == 1 and not Path(m.path).exists():
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(m.path, "config.json")
+        if isinstance(cached, str):
+            from posttrain.models.loading import hf_model_config
+
+            return hf_model_config(Path(cached).parent, **switches)
     if m.preset:
         return ModelConfig.preset(m.preset, **switches)
     if m.config is not None:
@@ -338,9 +346,33 @@ def advice(cfg, mc, est: Estimate, hbm: float, mesh_sizes: dict[str, int]) -> li
             out.append(line(f"rollout.gpu_memory_utilization: {r.gpu_memory_utilization} -> "
                             f"{lowest}{also}", gain * hbm,
                             "still holds every sequence of a step at once"))
+        if r.engine == "jax" and est.rollout_kv:
+            out += kv_advice(cfg, mc, est.rollout_kv, line, over)
         out.append(line("rollout.placement: colocated -> disaggregated",
                         (GPU_SHARE - frac) * hbm if est.jax_share else est.rollout,
                         "rollout on devices of its own"))
+    return out
+
+
+def kv_advice(cfg, mc, kv: float, line, over: float) -> list[str]:
+    """The colocated JAX engine's KV cache: int8 values, and fewer sequences per decode program
+    (`rollout.max_rows`: the most prompts' groups, a divisor of the step's prompts so that the
+    calls are equal, that is enough; else one group)."""
+    r, g, out = cfg.rollout, cfg.grpo, []
+    if r.kv_cache_dtype != "int8":
+        now = 2 if mc.compute_dtype == "bfloat16" else 4
+        out.append(line("rollout.kv_cache_dtype: auto -> int8",
+                        kv * (1 - (1 + 4 / mc.head_dim) / now),
+                        "a byte per value and a scale per head; log-probs move by ~5e-3"))
+    seqs = g.prompts_per_step * g.group_size
+    held = min(seqs, r.max_rows // g.group_size * g.group_size) if r.max_rows else seqs
+    for prompts in range(held // g.group_size - 1, 0, -1):
+        saves = kv * (1 - prompts * g.group_size / held)
+        if (saves >= over and g.prompts_per_step % prompts == 0) or prompts == 1:
+            out.append(line(f"rollout.max_rows: {r.max_rows} -> {prompts * g.group_size}", saves,
+                            f"{prompts} prompts' groups per decode program, "
+                            f"{g.prompts_per_step // prompts} calls a step"))
+            break
     return out
 
 

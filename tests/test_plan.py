@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
 
 
-def plan(*args, timeout=300):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+def plan(*args, timeout=300, env=None):
+    env = {k: v for k, v in (env or os.environ).items() if k not in ("XLA_FLAGS",)}
     r = subprocess.run([sys.executable, "-m", "posttrain.cli", "plan", *map(str, args), "--json"],
                        capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
@@ -139,13 +139,30 @@ def test_colocated_jax_engine_kv_counts_the_phased_decodes_two_caches():
         assert rc == 0 and r["estimate"]["rollout KV cache"] == pytest.approx(full * share)
 
 
-def test_the_one_chip_grpo_recipe_fits_a_v5e_beside_its_engine():
+def test_the_one_chip_grpo_recipe_fits_a_v5e_beside_its_engine(tmp_path):
     """recipes/grpo_qwen3_0_6b_v5e.yaml (LoRA 16, 64 prompts x 8, 256 new tokens): the trainer,
     the colocated engine's weights and its int8 KV cache of at most 64 sequences fit one v5e;
-    without `max_rows` and the int8 cache the engine's cache alone would not leave room."""
+    without `max_rows` and the int8 cache (a bf16 cache of all 512 sequences) it does not, and
+    the advice names both settings: int8 alone is not enough, fewer rows per decode program is
+    (whole groups, a divisor of the 64 prompts)."""
     args = ("recipes/grpo_qwen3_0_6b_v5e.yaml", "--topology", "v5e-1", "--no-compile",
             "model.path=null", "model.preset=qwen3_0_6b")
     rc, (r,) = plan(*args)
     assert rc == 0 and r["fits"], r["advice"]
+    # the recipe as shipped, its hub checkpoint's config.json in the local HF cache
+    snap = tmp_path / "models--Qwen--Qwen3-0.6B" / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text("0" * 40)
+    from posttrain.models.config import ModelConfig
+
+    (snap / "config.json").write_text(json.dumps(ModelConfig.preset("qwen3_0_6b").to_hf_config()))
+    rc, (cached,) = plan(*args[:4], env={**os.environ, "HF_HUB_CACHE": str(tmp_path)})
+    assert rc == 0 and cached["estimate"] == r["estimate"]
     rc, (r,) = plan(*args, "rollout.max_rows=0", "rollout.kv_cache_dtype=auto")
     assert rc == 1 and not r["fits"]
+    int8 = next(a for a in r["advice"] if a.startswith("rollout.kv_cache_dtype: auto -> int8"))
+    rows = next(a for a in r["advice"] if a.startswith("rollout.max_rows: 0 -> "))
+    assert "(not enough alone)" in int8 and "(enough)" in rows
+    per_call = int(rows.split("-> ")[1].split(":")[0])
+    assert per_call % 8 == 0 and 64 % (per_call // 8) == 0
