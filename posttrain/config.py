@@ -17,6 +17,7 @@ import difflib
 import math
 import argparse
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -69,10 +70,15 @@ class ModelSection(Strict):
 
     def switches(self) -> dict:
         """The implementation switches a ModelConfig takes from the recipe. LoRA needs unrolled
-        layers (qwix attaches adapters to each layer object on first call)."""
+        layers (qwix attaches adapters to each layer object on first call); a head qwix wraps
+        (int8 QAT's rule covers lm_head; a LoRA target that matches it) must run as a module
+        call, so the fused head loss is off."""
+        wrapped_head = self.quantization == "int8" or (
+            self.lora.rank and re.fullmatch(self.lora.target_modules, "lm_head") is not None)
         return {"scan_layers": self.scan_layers and not self.lora.rank, "remat": self.remat,
                 "param_dtype": self.param_dtype, "compute_dtype": self.compute_dtype,
-                "head_chunk_tokens": self.head_chunk_tokens, "attention": self.attention}
+                "head_chunk_tokens": self.head_chunk_tokens, "attention": self.attention,
+                "fused_head_loss": not wrapped_head}
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSection":

@@ -8,7 +8,8 @@ A configuration is SHAPE:BATCHxSEQ with optional `+` options that override the f
 alone: `+bf16` (bf16 parameters and optimizer moments), `+remat=POLICY`, `+attn=IMPL`,
 `+chunk=N` (head chunk tokens), `+unroll` (unrolled layers instead of a scan), `+block=N`
 (splash attention's tiles), `+fused=0|1` (splash's fused backward kernel), `+effort=X` (XLA's execution-time
-optimisation effort, -1 to 1: `train.compile_effort`), `+lora16` (LoRA
+optimisation effort, -1 to 1: `train.compile_effort`), `+headfuse=0` (the loss through the
+chunked head under remat instead of `fused_head_nll`, the code before it), `+lora16` (LoRA
 rank 16 on every projection, the base frozen), `+int8` (with LoRA: the frozen base quantized to int8 by qwix), `+profile` (where the device time
 goes: `benchmarks.tpu.profile`), `+dpo` (a DPO step instead: each row one preference pair, chosen
 and rejected of T/2 tokens each, half prompt and half completion; with LoRA the reference is the
@@ -55,12 +56,12 @@ PEAK_TFLOPS = {"tpu": 197.0}  # TPU v5e, bf16 dense
 
 
 def model_config(shape: str, head_chunk: int, remat: str, attention: str = "auto",
-                 params: str = "f32", lora: int = 0, unroll: bool = False):
+                 params: str = "f32", lora: int = 0, unroll: bool = False, fused_head: bool = True):
     from posttrain.models.config import ModelConfig
 
     sw = dict(scan_layers=not (lora or unroll), remat=remat, compute_dtype="bfloat16",
               param_dtype="bfloat16" if params == "bf16" else "float32",
-              head_chunk_tokens=head_chunk, attention=attention)
+              head_chunk_tokens=head_chunk, attention=attention, fused_head_loss=fused_head)
     spec = SHAPES[shape]
     if isinstance(spec, str):
         return ModelConfig.preset(spec, **sw)
@@ -196,7 +197,7 @@ def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
     layers.SPLASH_BLOCK, layers.SPLASH_FUSED_BWD = o["block"], bool(o["fused"])
     jax.config.update("jax_exec_time_optimization_effort", o["effort"])
     cfg = model_config(shape, o["head_chunk"], o["remat"], o["attention"], o["params"], o["lora"],
-                       o["unroll"])
+                       o["unroll"], bool(o["headfuse"]))
     graphdef, params, rest = build(cfg, o["lora"], o["int8"])
     n_params = sum(x.size for x in jax.tree.leaves(params))
     n_matmul = cfg.matmul_params()
@@ -243,6 +244,7 @@ def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
            "head_chunk_positions": chunk_of(cfg, batch, seq), "remat": o["remat"],
            "scan_layers": cfg.scan_layers, "splash_block": o["block"], "splash_fused_bwd": bool(o["fused"]),
            "compile_effort": o["effort"],
+           "fused_head_loss": cfg.fused_head_loss,
            "attention": attention_impl(cfg, seq, False), "params_dtype": o["params"],
            "lora_rank": o["lora"], "int8_base": bool(o["lora"] and o["int8"]),
            "trainable_params": int(n_params), "matmul_params": int(n_matmul),
@@ -325,7 +327,7 @@ def main():
     defaults = dict(head_chunk=args.head_chunk, remat=args.remat, attention=args.attention,
                     params=args.params, lora=0, int8=False, profile=args.profile, dpo=False,
                     unroll=False, fused=int(SPLASH_FUSED_BWD), block=SPLASH_BLOCK,
-                    effort=0.0)
+                    effort=0.0, headfuse=1)
     if args.one:
         shape, b, t, o = parse_config(args.one, defaults)
         print("@@" + json.dumps(run_one(shape, b, t, args.steps, o)))

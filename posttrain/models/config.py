@@ -65,6 +65,10 @@ class ModelConfig(BaseModel):
     head_chunk_tokens: int = Field(0, ge=0, description="tokens whose logits the loss computes "
                                    "at once (`posttrain.train.step.head_chunk`); 0: chosen from "
                                    "the vocabulary size")
+    fused_head_loss: bool = Field(
+        True, description="the next-token loss runs the LM head itself and forms its gradients "
+        "in the forward (`posttrain.train.step.fused_head_nll`: 6 N_head FLOPs per token, not "
+        "the chunked head's 8); off where qwix wraps the head (int8 QAT, LoRA on lm_head)")
     moe_impl: Literal["ragged", "dense"] = Field(
         "ragged", description="ragged: tokens sorted by expert, grouped matmul (ragged_dot); "
         "dense: every expert on every token, weighted (tiny models, tests)")

@@ -244,6 +244,14 @@ class CausalLM(nnx.Module):
             segment_ids_bt = jnp.ones((b, t), jnp.int32)
         return self.model(tokens_bt, positions_bt, segment_ids_bt, cache)
 
+    def head_weight(self) -> jax.Array:
+        """The LM head's weight as [V, E] in the parameter dtype (the tied embedding, or
+        lm_head's kernel transposed), for a loss that runs the head itself
+        (`posttrain.train.step.fused_head_nll`; only where nothing wraps the head)."""
+        if self.cfg.tie_word_embeddings:
+            return self.model.embed_tokens.embedding[...]
+        return self.lm_head.kernel[...].T
+
     def _lm_head(self, x_bte):
         x2 = x_bte.reshape(-1, x_bte.shape[-1])  # 2-D matmul: see layers.dense
         if self.cfg.tie_word_embeddings:

@@ -78,6 +78,56 @@ def chunked_head(x_bte: jax.Array, lm_head, chunk: int, fn, *per_position):
     return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(b, n * chunk, *y.shape[3:])[:, :t], out)
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def fused_head_nll(x_bte, w_ve, targets_bt, weights_bt, chunk: int) -> jax.Array:
+    """sum_t weights_t * -log softmax(x_t @ w_ve^T)[target_t] (the LM head and the weighted
+    next-token loss, `w_ve` [V, E] in the parameter dtype, matmuls in x's dtype), with both
+    gradients formed in the forward, chunk by chunk, while each chunk's logits exist: the
+    weights of the loss are known there (a mask), so d logits = weights (softmax - onehot) and
+    the backward only scales them by the loss's cotangent. The chunked head under remat
+    (`chunked_head`) computes a chunk's logits twice, forward and backward: 8 N_head FLOPs per
+    token where this takes 6, and one pass of exponentials over the vocabulary instead of two
+    (the same values and gradients up to fp32 order: tests). For losses whose per-token weights
+    only the backward knows (the RL ratios) it does not apply."""
+    return _fused_head_fwd(x_bte, w_ve, targets_bt, weights_bt, chunk)[0]
+
+
+def _fused_head_fwd(x_bte, w_ve, targets_bt, weights_bt, chunk: int):
+    b, t, e = x_bte.shape
+    chunk = min(chunk, t)
+    pad = -t % chunk
+    n = (t + pad) // chunk
+    w = w_ve.astype(x_bte.dtype)
+
+    def slices(a):  # [B, T, ...] -> [N, B*C, ...]
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        return a.reshape(b, n, chunk, *a.shape[2:]).swapaxes(0, 1).reshape(n, b * chunk, *a.shape[2:])
+
+    def one(dw, xs):
+        x, tgt, wt = xs  # [B*C, E], [B*C], [B*C]
+        logits = jnp.dot(x, w.T).astype(jnp.float32)
+        lse = jax.nn.logsumexp(logits, -1)
+        nll = lse - jnp.take_along_axis(logits, tgt[:, None], -1)[:, 0]
+        p = jnp.exp(logits - lse[:, None])
+        d = (wt[:, None] * (p - jax.nn.one_hot(tgt, p.shape[-1], dtype=p.dtype))).astype(x.dtype)
+        dx = jnp.dot(d, w)
+        dw = dw + jnp.dot(d.T, x, preferred_element_type=jnp.float32)
+        return dw, ((wt * nll).sum(), dx)
+
+    dw, (loss, dx) = jax.lax.scan(one, jnp.zeros(w_ve.shape, jnp.float32),
+                                  (slices(x_bte), slices(targets_bt), slices(weights_bt)))
+    dx = dx.reshape(n, b, chunk, e).swapaxes(0, 1).reshape(b, n * chunk, e)[:, :t]
+    return loss.sum(), (dx, dw.astype(w_ve.dtype))
+
+
+def _fused_head_bwd(chunk, res, g):
+    dx, dw = res
+    return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None, None
+
+
+fused_head_nll.defvjp(_fused_head_fwd, _fused_head_bwd)
+
+
 def chunked_token_logprobs(x_bte: jax.Array, targets_bt: jax.Array, lm_head, chunk: int) -> jax.Array:
     """`token_logprobs(lm_head(x_bte), targets_bt)`, the head in chunks (`chunked_head`)."""
     return chunked_head(x_bte, lm_head, chunk, token_logprobs, targets_bt)
@@ -90,10 +140,15 @@ def next_token_loss(model: nnx.Module, batch: dict) -> tuple[jax.Array, jax.Arra
 
     b, t = batch["tokens"].shape
     chunk = head_chunk(model.cfg, b, t)
+    mask = batch["loss_mask"].astype(jnp.float32)
+    if model.cfg.fused_head_loss:
+        nll, router = model(batch["tokens"], batch["positions"], batch["segment_ids"],
+                            with_router_losses=True, head=lambda x, _: fused_head_nll(
+                                x, model.head_weight(), batch["targets"], mask, chunk))
+        return add_router_loss(model.cfg, nll, mask.sum(), router, {})
     logp, router = model(batch["tokens"], batch["positions"], batch["segment_ids"],
                          with_router_losses=True, head=lambda x, lm_head: chunked_token_logprobs(
                              x, batch["targets"], lm_head, chunk))
-    mask = batch["loss_mask"].astype(jnp.float32)
     return add_router_loss(model.cfg, -(logp * mask).sum(), mask.sum(), router, {})
 
 

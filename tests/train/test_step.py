@@ -53,7 +53,7 @@ def test_chunked_head_equals_the_whole_head(chunk_tokens, tie):
     do its gradients (tied embedding and separate head): fp32, the same arithmetic in other
     shapes, so agreement to summation order (~1e-6 relative)."""
     b = {k: jnp.asarray(v[:2, :37]) for k, v in batch(b=8, t=40).items()}
-    base = CFG.model_copy(update={"tie_word_embeddings": tie})
+    base = CFG.model_copy(update={"tie_word_embeddings": tie, "fused_head_loss": False})
     (l_whole, g_whole), _, _ = _loss_and_grads(base.model_copy(update={"head_chunk_tokens": 10**6}), b)
     (l_chunk, g_chunk), _, _ = _loss_and_grads(base.model_copy(update={"head_chunk_tokens": chunk_tokens}), b)
     np.testing.assert_allclose(float(l_chunk), float(l_whole), rtol=1e-6)
@@ -62,13 +62,45 @@ def test_chunked_head_equals_the_whole_head(chunk_tokens, tie):
         assert np.linalg.norm(a - w) <= 1e-5 * np.linalg.norm(w) + 1e-9, path
 
 
-def test_chunked_head_never_holds_the_whole_logits():
+@pytest.mark.parametrize("chunk_tokens,tie", [(16, True), (40, False), (10**6, True)])
+def test_the_fused_head_loss_equals_the_chunked_head(chunk_tokens, tie):
+    """`fused_head_nll` (the loss's gradients formed in the forward, chunk by chunk) against the
+    whole head through autodiff: the same loss and gradients of every parameter, the head's
+    weight (tied embedding or separate) among them, with masked positions (weight 0) and a
+    ragged last chunk; fp32, so agreement to summation order (~1e-6 relative)."""
+    b = {k: jnp.asarray(v[:2, :37]) for k, v in batch(b=8, t=40).items()}
+    b["loss_mask"] = b["loss_mask"].at[0, 5:12].set(0.0)
+    base = CFG.model_copy(update={"tie_word_embeddings": tie, "head_chunk_tokens": chunk_tokens})
+    (l_ref, g_ref), _, _ = _loss_and_grads(base.model_copy(update={
+        "fused_head_loss": False, "head_chunk_tokens": 10**6}), b)
+    (l_fused, g_fused), _, _ = _loss_and_grads(base.model_copy(update={"fused_head_loss": True}), b)
+    np.testing.assert_allclose(float(l_fused), float(l_ref), rtol=1e-6)
+    for (path, a), (_, w) in zip(nnx.to_flat_state(g_fused), nnx.to_flat_state(g_ref)):
+        a, w = np.asarray(a[...]), np.asarray(w[...])
+        assert np.linalg.norm(a - w) <= 1e-5 * np.linalg.norm(w) + 1e-9, path
+
+
+def test_a_wrapped_head_turns_the_fused_loss_off():
+    """int8 QAT's rule and a LoRA target that matches lm_head wrap the head in qwix, which only
+    a module call sees: the recipe's switches turn the fused loss off for them."""
+    from posttrain.config import ModelSection
+
+    assert ModelSection().switches()["fused_head_loss"]
+    assert ModelSection(lora={"rank": 4}).switches()["fused_head_loss"]
+    assert not ModelSection(quantization="int8").switches()["fused_head_loss"]
+    assert not ModelSection(lora={"rank": 4, "target_modules": ".*(q_proj|lm_head)"}).switches()[
+        "fused_head_loss"]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_chunked_head_never_holds_the_whole_logits(fused):
     """No array of the loss's forward or backward has B x T x V elements: the [B, T, V] logits
     (the 10 GB that put a 0.6B model's 16k-token step out of a TPU's memory) are never whole."""
     b = {k: jnp.asarray(v[:2]) for k, v in batch(b=8, t=96).items()}
     # 16 positions of 2 rows at a time; a vocabulary big enough that the logits would be the
     # largest array (as they are in real models)
-    cfg = CFG.model_copy(update={"head_chunk_tokens": 32, "vocab_size": 4096})
+    cfg = CFG.model_copy(update={"head_chunk_tokens": 32, "vocab_size": 4096,
+                                 "fused_head_loss": fused})
     model = build_model(cfg, seed=0)
     graphdef, params = nnx.split(model, nnx.Param)
     grad = jax.grad(lambda p: next_token_loss(nnx.merge(graphdef, p), b)[0])
