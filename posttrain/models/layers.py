@@ -160,7 +160,7 @@ def dot_attention(q_bthd, kt_bkds, v_bksd, mask_bts) -> jax.Array:
     2.8x slower in a decode step) and values as [B, K, S, D]. The softmax scale is folded into
     the queries ([.., D] rather than [.., S] multiplies); the core is `_attend`."""
     b, t, h, d = q_bthd.shape
-    kh = v_bksd[0].shape[1] if isinstance(v_bksd, QuantizedKV) else v_bksd.shape[1]
+    kh = (v_bksd.q if isinstance(v_bksd, QuantizedKV) else v_bksd).shape[1]
     g = h // kh
     q = (q_bthd * (1 / math.sqrt(d))).astype(q_bthd.dtype)
     q = q.reshape(b, t, kh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, d)
