@@ -89,10 +89,12 @@ def fused_head_nll(x_bte, w_ve, targets_bt, weights_bt, chunk: int) -> jax.Array
     token where this takes 6, and one pass of exponentials over the vocabulary instead of two
     (the same values and gradients up to fp32 order: tests). For losses whose per-token weights
     only the backward knows (the RL ratios) it does not apply."""
-    return _fused_head_fwd(x_bte, w_ve, targets_bt, weights_bt, chunk)[0]
+    return _fused_head(x_bte, w_ve, targets_bt, weights_bt, chunk, grads=False)[0]
 
 
-def _fused_head_fwd(x_bte, w_ve, targets_bt, weights_bt, chunk: int):
+def _fused_head(x_bte, w_ve, targets_bt, weights_bt, chunk: int, grads: bool):
+    """(loss, dx, dW) over the chunks; without `grads` (a forward alone: evaluation) only the
+    loss, so no gradient work is left for XLA to prune."""
     b, t, e = x_bte.shape
     chunk = min(chunk, t)
     pad = -t % chunk
@@ -107,17 +109,25 @@ def _fused_head_fwd(x_bte, w_ve, targets_bt, weights_bt, chunk: int):
         x, tgt, wt = xs  # [B*C, E], [B*C], [B*C]
         logits = jnp.dot(x, w.T).astype(jnp.float32)
         lse = jax.nn.logsumexp(logits, -1)
-        nll = lse - jnp.take_along_axis(logits, tgt[:, None], -1)[:, 0]
+        loss = (wt * (lse - jnp.take_along_axis(logits, tgt[:, None], -1)[:, 0])).sum()
+        if not grads:
+            return dw, (loss, None)
         p = jnp.exp(logits - lse[:, None])
         d = (wt[:, None] * (p - jax.nn.one_hot(tgt, p.shape[-1], dtype=p.dtype))).astype(x.dtype)
-        dx = jnp.dot(d, w)
         dw = dw + jnp.dot(d.T, x, preferred_element_type=jnp.float32)
-        return dw, ((wt * nll).sum(), dx)
+        return dw, (loss, jnp.dot(d, w))
 
-    dw, (loss, dx) = jax.lax.scan(one, jnp.zeros(w_ve.shape, jnp.float32),
-                                  (slices(x_bte), slices(targets_bt), slices(weights_bt)))
+    dw0 = jnp.zeros(w_ve.shape, jnp.float32) if grads else None
+    dw, (loss, dx) = jax.lax.scan(one, dw0, (slices(x_bte), slices(targets_bt), slices(weights_bt)))
+    if not grads:
+        return loss.sum(), None, None
     dx = dx.reshape(n, b, chunk, e).swapaxes(0, 1).reshape(b, n * chunk, e)[:, :t]
-    return loss.sum(), (dx, dw.astype(w_ve.dtype))
+    return loss.sum(), dx, dw.astype(w_ve.dtype)
+
+
+def _fused_head_fwd(x_bte, w_ve, targets_bt, weights_bt, chunk: int):
+    loss, dx, dw = _fused_head(x_bte, w_ve, targets_bt, weights_bt, chunk, grads=True)
+    return loss, (dx, dw)
 
 
 def _fused_head_bwd(chunk, res, g):
