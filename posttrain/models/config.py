@@ -59,9 +59,12 @@ class ModelConfig(BaseModel):
     remat: RematPolicy = "none"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    attention: Literal["auto", "xla", "splash"] = Field(
-        "auto", description="auto: the Pallas splash kernel on a TPU (training and scoring), "
-        "XLA's formulation elsewhere and in decode; splash off a TPU runs interpreted (tests)")
+    attention: Literal["auto", "xla", "splash", "pallas"] = Field(
+        "auto", description="auto: the Pallas splash kernel on a TPU in training and scoring, "
+        "XLA's formulation elsewhere and in decode; splash: that kernel anywhere (off a TPU "
+        "interpreted: tests); pallas: splash and the Pallas decode kernel over the KV cache "
+        "(`posttrain.models.decode_attention`; slower than XLA's decode on a v5e so far: "
+        "BENCHMARKS.md)")
     head_chunk_tokens: int = Field(0, ge=0, description="tokens whose logits the loss computes "
                                    "at once (`posttrain.train.step.head_chunk`); 0: chosen from "
                                    "the vocabulary size")

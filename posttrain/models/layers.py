@@ -243,12 +243,32 @@ def attention_impl(cfg: ModelConfig, t: int, cached: bool) -> str:
     """Which attention a call runs: `cfg.attention`, with `auto` resolved here, in one place.
     Splash (the Pallas TPU kernel) serves calls without a KV cache (training, scoring) whose
     length fills whole tiles of 128; `auto` picks it on a single TPU device (a mesh needs the
-    kernel under shard_map, not done yet), XLA's formulation elsewhere (CPU, GPU, decode)."""
-    if cached or t % 128:
+    kernel under shard_map, not done yet), XLA's formulation elsewhere (CPU, GPU, a prefill into
+    the cache). A decode step (one query token per row over the cache) runs the Pallas decode
+    kernel only under `pallas`: on a v5e it was 2.7x slower than XLA's decode (BENCHMARKS.md)."""
+    if cached:
+        return "decode" if t == 1 and cfg.attention == "pallas" else "xla"
+    if t % 128:
         return "xla"
     if cfg.attention == "auto":
         return "splash" if jax.default_backend() == "tpu" and jax.device_count() == 1 else "xla"
-    return cfg.attention
+    return "xla" if cfg.attention == "xla" else "splash"
+
+
+def cached_decode_attention(q_bthd, kt_bkds, v_bksd, mask_bts) -> jax.Array | None:
+    """One decode step's attention (T = 1) with the Pallas kernel
+    (`posttrain.models.decode_attention`), or None where no block of the cache fits its VMEM
+    budget (the caller runs `dot_attention`)."""
+    from posttrain.models.decode_attention import block_shape, decode_attention
+
+    b, t, h, d = q_bthd.shape
+    k_data = kt_bkds.q if isinstance(kt_bkds, QuantizedKV) else kt_bkds
+    kh, s = k_data.shape[1], k_data.shape[-1]
+    if t != 1 or block_shape(b, kh, d, s, k_data.dtype.itemsize) is None:
+        return None
+    q = (q_bthd * (1 / math.sqrt(d))).astype(q_bthd.dtype).reshape(b, kh, h // kh, d)
+    bias = jnp.where(mask_bts[:, 0], 0.0, MASK_VALUE).astype(jnp.float32)
+    return decode_attention(q, kt_bkds, v_bksd, bias).reshape(b, 1, h * d)
 
 
 def splash_block(t: int) -> int:
@@ -326,7 +346,8 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, rope)
         k = apply_rope(k, rope)
-        if attention_impl(cfg, t, kv is not None) == "splash":
+        impl = attention_impl(cfg, t, kv is not None)
+        if impl == "splash":
             out = splash_attention(q, k, v.transpose(0, 2, 1, 3), seg_bt)
             return checkpoint_name(dense(self.o_proj, out), "out_proj"), None
         k = k.transpose(0, 2, 3, 1)  # [B, K, D, T]
@@ -349,7 +370,9 @@ class Attention(nnx.Module):
         mask = attention_mask(pos_bt, seg_bt, k_pos, k_seg)
         if not isinstance(keys, QuantizedKV):
             keys, values = keys.astype(q.dtype), values.astype(q.dtype)
-        out = dot_attention(q, keys, values, mask)
+        out = cached_decode_attention(q, keys, values, mask) if impl == "decode" else None
+        if out is None:
+            out = dot_attention(q, keys, values, mask)
         out = dense(self.o_proj, out)
         return checkpoint_name(out, "out_proj"), new_kv
 

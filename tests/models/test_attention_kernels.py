@@ -84,9 +84,14 @@ def test_the_attention_is_chosen_in_one_place(monkeypatch):
     assert layers.attention_impl(auto, 2048, cached=False) == "xla"  # CPU
     assert layers.attention_impl(splash, 2048, cached=False) == "splash"  # interpreted
     assert layers.attention_impl(splash, 2048, cached=True) == "xla"  # decode: the cache's own
+    pallas = CFG.model_copy(update={"attention": "pallas"})
+    assert layers.attention_impl(pallas, 2048, cached=False) == "splash"
+    assert layers.attention_impl(pallas, 1, cached=True) == "decode"  # the Pallas decode kernel
+    assert layers.attention_impl(pallas, 16, cached=True) == "xla"  # a prefill into the cache
     assert layers.attention_impl(splash, 100, cached=False) == "xla"  # not whole tiles
     monkeypatch.setattr(layers.jax, "default_backend", lambda: "tpu")
     monkeypatch.setattr(layers.jax, "device_count", lambda: 1)
     assert layers.attention_impl(auto, 2048, cached=False) == "splash"
+    assert layers.attention_impl(auto, 1, cached=True) == "xla"  # XLA's decode: faster so far
     monkeypatch.setattr(layers.jax, "device_count", lambda: 8)  # a mesh: not under shard_map yet
     assert layers.attention_impl(auto, 2048, cached=False) == "xla"

@@ -430,6 +430,23 @@ def test_an_int8_kv_cache_is_half_the_bytes_and_stays_near_the_trainer(setup):
     assert twin.probe_tolerance == 5e-2 and JaxEngine(model, tok).probe_tolerance == 1e-4
 
 
+def test_the_pallas_decode_kernel_draws_what_xla_draws(setup):
+    """`model.attention: pallas` (splash and the Pallas decode kernel) decodes with
+    `decode_attention` over the KV cache, interpreted here: the same tokens and kept counts as
+    XLA's attention and log-probs within 1e-5 (fp32 summation order), with the fp32 cache and
+    with the int8 one, over prompts of mixed lengths (left padding masked per row)."""
+    d, _, tok, _ = setup
+    xla, kern = from_pretrained(d), from_pretrained(d, attention="pallas")
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, xla.cfg.vocab_size, int(rng.integers(2, 30))).tolist()
+               for _ in range(5)]
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, n=2, seed=7)
+    for kv in ("auto", "int8"):
+        a = JaxEngine(xla, tok, kv_cache_dtype=kv).generate(prompts, sp)
+        b = JaxEngine(kern, tok, kv_cache_dtype=kv).generate(prompts, sp)
+        assert_same_samples(xla, a, b, sp)
+
+
 def test_max_rows_splits_a_request_into_calls_of_one_program(setup):
     """`rollout.max_rows`: a request of more rows (prompts x n) than that runs as calls of at
     most that many, each prompt's samples in one call: the same greedy completions and

@@ -132,3 +132,31 @@ def test_inverse_cdf_never_draws_a_token_without_mass():
         assert np.all(np.asarray(sampling.inverse_cdf(jax.random.key(0), lp)) == 9)
     finally:
         sampling.jax.random.uniform = orig
+
+
+def test_the_two_level_search_draws_the_same_distribution():
+    """A vocabulary of many blocks (here 300 tokens in blocks of 16, whole blocks without mass
+    among them) drawn in two levels: frequencies match the softmax (chi-square), nothing without
+    mass is drawn, and a draw forced up to the total lands on the last token with mass."""
+    from rollout import sampling
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=300).astype(np.float32) * 2
+    logits[32:80] = -np.inf  # three whole blocks and a part of another without mass
+    logits[290:] = -np.inf
+    want = np.exp(logits.astype(np.float64) - logits[np.isfinite(logits)].max())
+    want /= want.sum()
+    lp = jnp.broadcast_to(jnp.asarray(np.log(want), jnp.float32), (N, 300))
+    tok = np.asarray(jax.jit(sampling.inverse_cdf, static_argnums=2)(jax.random.key(5), lp, 16))
+    counts = np.bincount(tok, minlength=300)
+    assert counts[want == 0].sum() == 0
+    big = want * N >= 5  # chi-square over tokens expected 5+ times, the rest pooled
+    stat, p_value = chisquare(np.r_[counts[big], counts[~big].sum()],
+                              N * np.r_[want[big], want[~big].sum()])
+    assert p_value > 1e-3
+    orig = jax.random.uniform
+    try:
+        sampling.jax.random.uniform = lambda key, shape, dtype: jnp.ones(shape, dtype)
+        assert np.all(np.asarray(sampling.inverse_cdf(jax.random.key(0), lp[:4], 16)) == 289)
+    finally:
+        sampling.jax.random.uniform = orig

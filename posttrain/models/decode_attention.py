@@ -1,0 +1,138 @@
+"""One decode step's attention over the KV cache as a Pallas TPU kernel.
+
+XLA runs a decode step's attention as (row, KV head) pairs of tiny batched matmuls, G query rows
+against a [D, S] slice of the cache, plus the softmax's passes over [B, K, G, S] scores in HBM;
+on a TPU v5e that ran the decode at 35-48% of the weights+KV roofline with the share falling as
+the batch grew (BENCHMARKS.md). This kernel reads each block of the cache once into VMEM (a
+block of `rows` sequences x every KV head x `slots` cache slots, keys [D, slots] and values
+[slots, D] per head, the cache's own layouts) and keeps the softmax there (flash-decoding's
+online softmax over slot blocks): the only HBM traffic is the cache, the queries and the output.
+An int8 cache (`layers.QuantizedKV`) is read as int8 and scaled in VMEM (a key's scale on its
+score column, a value's scale on its probability), never dequantized in HBM.
+
+The mask arrives as an additive f32 bias per (row, slot) (0 or MASK_VALUE), built from the
+cache's slot positions and segments as `layers.attention_mask` does, so left padding, packed
+prompts and the ring of a row's own slots all mean what they mean on the XLA path. Off a TPU the
+kernel runs interpreted (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+VMEM_BUDGET = 16 << 20  # bytes of double-buffered cache blocks (v5e: 128 MiB of VMEM)
+
+
+def block_shape(b: int, kh: int, d: int, s: int, itemsize: int) -> tuple[int, int] | None:
+    """(rows, slots) per grid step: 8 rows (the f32 tile's sublanes; all B when B is not a
+    multiple of 8) and the largest slot block, the whole S or a multiple of 128 dividing it,
+    whose double-buffered K and V blocks fit VMEM_BUDGET. None: none fits."""
+    rows = 8 if b % 8 == 0 else b
+    per_slot = 2 * 2 * rows * kh * d * itemsize  # K and V, two buffers each
+    for slots in [s] + [c for c in (2048, 1024, 512, 256, 128) if c < s and s % c == 0]:
+        if slots * per_slot <= VMEM_BUDGET:
+            return rows, slots
+    return None
+
+
+def _kernel(*refs, quantized: bool, kh: int, g: int, cdt):
+    """Grid (row blocks, slot blocks); per step a 2-D matmul per (row, KV head) pair, the G query
+    heads of the pair as the rows of q, in `cdt` (the queries' dtype; int8 is exact in bf16),
+    and the online softmax's running max, sum and output in
+    VMEM scratch (lane-replicated max and sum, as Pallas' flash attention keeps them)."""
+    if quantized:
+        q_ref, k_ref, v_ref, bias_ref, ks_ref, vs_ref, o_ref, m_sc, l_sc, acc_sc = refs
+    else:
+        q_ref, k_ref, v_ref, bias_ref, o_ref, m_sc, l_sc, acc_sc = refs
+    j = pl.program_id(1)
+    rows = q_ref.shape[0]
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    for r in range(rows):
+        bias = bias_ref[pl.ds(r, 1), :]  # [1, slots]
+        for h in range(kh):
+            i = r * kh + h
+            q = q_ref[r, pl.ds(h * g, g), :].astype(cdt)  # [G, D]
+            s = jnp.dot(q, k_ref[r, h].astype(cdt), preferred_element_type=jnp.float32)
+            if quantized:
+                s = s * ks_ref[r, pl.ds(h, 1), :]  # a key's scale on its column
+            s = s + bias  # [G, slots]
+            m_prev, l_prev = m_sc[i][:, :1], l_sc[i][:, :1]
+            m_new = jnp.maximum(m_prev, s.max(-1, keepdims=True))
+            alpha = jnp.exp(m_prev - m_new)
+            p = jnp.exp(s - m_new)
+            l_new = alpha * l_prev + p.sum(-1, keepdims=True)
+            if quantized:
+                p = p * vs_ref[r, pl.ds(h, 1), :]  # a value's scale on its probability
+            pv = jnp.dot(p.astype(cdt), v_ref[r, h].astype(cdt),
+                         preferred_element_type=jnp.float32)  # [G, D]
+            acc_sc[i] = alpha * acc_sc[i] + pv
+            m_sc[i] = jnp.broadcast_to(m_new, m_sc.shape[1:])
+            l_sc[i] = jnp.broadcast_to(l_new, l_sc.shape[1:])
+
+    @pl.when(j == pl.num_programs(1) - 1)
+    def _out():
+        for r in range(rows):
+            for h in range(kh):
+                i = r * kh + h
+                o_ref[r, pl.ds(h * g, g), :] = acc_sc[i] / l_sc[i][:, :1]
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "slots", "interpret"))
+def decode_attention(q_bkgd, kt, v, bias_bs, *, rows: int | None = None, slots: int | None = None,
+                     interpret: bool | None = None) -> jax.Array:
+    """softmax(q @ K + bias) @ V for one query token per row.
+
+    q_bkgd [B, K, G, D] (already scaled by 1/sqrt(D)); kt: keys [B, K, D, S] (or a QuantizedKV of
+    int8 keys with scales [B, K, 1, S]); v: values [B, K, S, D] (or a QuantizedKV with scales
+    [B, K, S, 1]); bias_bs [B, S] f32 (0 where a slot is visible, MASK_VALUE where not).
+    Returns [B, K, G, D] in q's dtype. `rows`/`slots`: the block (default `block_shape`).
+
+    Layouts at the kernel's edge keep every block's last two dims in whole (8, 128) tiles or
+    whole dims (XLA and Mosaic must agree on the tiling of what crosses): queries and output as
+    f32 [B, H, D], the scales as [B, K, S] and the bias as [B, S]."""
+    from posttrain.models.layers import QuantizedKV
+
+    quantized = isinstance(kt, QuantizedKV)
+    b, kh, g, d = q_bkgd.shape
+    kq, vq = (kt.q, v.q) if quantized else (kt, v)
+    s = kq.shape[-1]
+    if rows is None or slots is None:
+        rows, slots = block_shape(b, kh, d, s, kq.dtype.itemsize)
+    in_specs = [
+        pl.BlockSpec((rows, kh * g, d), lambda i, j: (i, 0, 0)),
+        pl.BlockSpec((rows, kh, d, slots), lambda i, j: (i, 0, 0, j)),
+        pl.BlockSpec((rows, kh, slots, d), lambda i, j: (i, 0, j, 0)),
+        pl.BlockSpec((rows, slots), lambda i, j: (i, j)),
+    ]
+    args = [q_bkgd.reshape(b, kh * g, d).astype(jnp.float32), kq, vq, bias_bs.astype(jnp.float32)]
+    if quantized:
+        in_specs += [pl.BlockSpec((rows, kh, slots), lambda i, j: (i, 0, j))] * 2
+        args += [kt.scale.reshape(b, kh, s), v.scale.reshape(b, kh, s)]
+    n = rows * kh
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    out = pl.pallas_call(
+        functools.partial(_kernel, quantized=quantized, kh=kh, g=g, cdt=q_bkgd.dtype),
+        out_shape=jax.ShapeDtypeStruct((b, kh * g, d), jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=0, grid=(b // rows, s // slots), in_specs=in_specs,
+            out_specs=pl.BlockSpec((rows, kh * g, d), lambda i, j: (i, 0, 0)),
+            scratch_shapes=[pltpu.VMEM((n, g, 128), jnp.float32),
+                            pltpu.VMEM((n, g, 128), jnp.float32),
+                            pltpu.VMEM((n, g, d), jnp.float32)]),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                             vmem_limit_bytes=4 * VMEM_BUDGET),
+        interpret=interpret,
+    )(*args)
+    return out.reshape(b, kh, g, d).astype(q_bkgd.dtype)
