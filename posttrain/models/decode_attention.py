@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 VMEM_BUDGET = 16 << 20  # bytes of double-buffered cache blocks (v5e: 128 MiB of VMEM)
+FORM = "mxu"  # the kernel's arithmetic: "mxu" (measured on a v5e) or "vpu" (see `_kernel`)
 
 
 def block_shape(b: int, kh: int, d: int, s: int, itemsize: int) -> tuple[int, int] | None:
@@ -40,15 +41,20 @@ def block_shape(b: int, kh: int, d: int, s: int, itemsize: int) -> tuple[int, in
     return None
 
 
-def _kernel(*refs, quantized: bool, kh: int, g: int, cdt):
-    """Grid (row blocks, slot blocks); per step a 2-D matmul per (row, KV head) pair, the G query
-    heads of the pair as the rows of q, in `cdt` (the queries' dtype; int8 is exact in bf16),
-    and the online softmax's running max, sum and output in
-    VMEM scratch (lane-replicated max and sum, as Pallas' flash attention keeps them)."""
+def _kernel(*refs, quantized: bool, kh: int, g: int, cdt, form: str):
+    """Grid (row blocks, slot blocks); per (row, KV head) pair the G query heads' scores and
+    P @ V, and the online softmax's running max, sum and output in VMEM scratch (lane-replicated
+    max and sum, as Pallas' flash attention keeps them).
+
+    `form` "mxu": two 2-D matmuls per pair in `cdt` (the queries' dtype; int8 is exact in bf16),
+    the cache as the MXU's stationary operand. "vpu": multiply-adds on the vector unit in f32,
+    queries as columns [D, G] broadcast along a key block's slots and summed over D, the
+    probabilities transposed to columns [slots, G] and summed over a value block's slots: no
+    matmul with only G rows to amortise a 128 x 128 tile load."""
     if quantized:
-        q_ref, k_ref, v_ref, bias_ref, ks_ref, vs_ref, o_ref, m_sc, l_sc, acc_sc = refs
+        q_ref, k_ref, v_ref, bias_ref, ks_ref, vs_ref, o_ref, m_sc, l_sc, acc_sc, *s_sc = refs
     else:
-        q_ref, k_ref, v_ref, bias_ref, o_ref, m_sc, l_sc, acc_sc = refs
+        q_ref, k_ref, v_ref, bias_ref, o_ref, m_sc, l_sc, acc_sc, *s_sc = refs
     j = pl.program_id(1)
     rows = q_ref.shape[0]
 
@@ -62,8 +68,16 @@ def _kernel(*refs, quantized: bool, kh: int, g: int, cdt):
         bias = bias_ref[pl.ds(r, 1), :]  # [1, slots]
         for h in range(kh):
             i = r * kh + h
-            q = q_ref[r, pl.ds(h * g, g), :].astype(cdt)  # [G, D]
-            s = jnp.dot(q, k_ref[r, h].astype(cdt), preferred_element_type=jnp.float32)
+            if form == "vpu":
+                qt = q_ref[r, h]  # [D, G] f32
+                kt = k_ref[r, h].astype(jnp.float32)  # [D, slots]
+                for gi in range(g):
+                    s_sc[0][pl.ds(gi, 1), :] = jnp.sum(kt * qt[:, gi:gi + 1], axis=0,
+                                                       keepdims=True)
+                s = s_sc[0][...]  # [G, slots]
+            else:
+                q = q_ref[r, pl.ds(h * g, g), :].astype(cdt)  # [G, D]
+                s = jnp.dot(q, k_ref[r, h].astype(cdt), preferred_element_type=jnp.float32)
             if quantized:
                 s = s * ks_ref[r, pl.ds(h, 1), :]  # a key's scale on its column
             s = s + bias  # [G, slots]
@@ -74,9 +88,16 @@ def _kernel(*refs, quantized: bool, kh: int, g: int, cdt):
             l_new = alpha * l_prev + p.sum(-1, keepdims=True)
             if quantized:
                 p = p * vs_ref[r, pl.ds(h, 1), :]  # a value's scale on its probability
-            pv = jnp.dot(p.astype(cdt), v_ref[r, h].astype(cdt),
-                         preferred_element_type=jnp.float32)  # [G, D]
-            acc_sc[i] = alpha * acc_sc[i] + pv
+            if form == "vpu":
+                pt = p.T  # [slots, G]
+                v = v_ref[r, h].astype(jnp.float32)  # [slots, D]
+                for gi in range(g):
+                    pv = jnp.sum(v * pt[:, gi:gi + 1], axis=0, keepdims=True)  # [1, D]
+                    acc_sc[i, pl.ds(gi, 1), :] = alpha[gi:gi + 1] * acc_sc[i, pl.ds(gi, 1), :] + pv
+            else:
+                pv = jnp.dot(p.astype(cdt), v_ref[r, h].astype(cdt),
+                             preferred_element_type=jnp.float32)  # [G, D]
+                acc_sc[i] = alpha * acc_sc[i] + pv
             m_sc[i] = jnp.broadcast_to(m_new, m_sc.shape[1:])
             l_sc[i] = jnp.broadcast_to(l_new, l_sc.shape[1:])
 
@@ -88,15 +109,16 @@ def _kernel(*refs, quantized: bool, kh: int, g: int, cdt):
                 o_ref[r, pl.ds(h * g, g), :] = acc_sc[i] / l_sc[i][:, :1]
 
 
-@functools.partial(jax.jit, static_argnames=("rows", "slots", "interpret"))
+@functools.partial(jax.jit, static_argnames=("rows", "slots", "form", "interpret"))
 def decode_attention(q_bkgd, kt, v, bias_bs, *, rows: int | None = None, slots: int | None = None,
-                     interpret: bool | None = None) -> jax.Array:
+                     form: str | None = None, interpret: bool | None = None) -> jax.Array:
     """softmax(q @ K + bias) @ V for one query token per row.
 
     q_bkgd [B, K, G, D] (already scaled by 1/sqrt(D)); kt: keys [B, K, D, S] (or a QuantizedKV of
     int8 keys with scales [B, K, 1, S]); v: values [B, K, S, D] (or a QuantizedKV with scales
     [B, K, S, 1]); bias_bs [B, S] f32 (0 where a slot is visible, MASK_VALUE where not).
-    Returns [B, K, G, D] in q's dtype. `rows`/`slots`: the block (default `block_shape`).
+    Returns [B, K, G, D] in q's dtype. `rows`/`slots`: the block (default `block_shape`);
+    `form`: "mxu" or "vpu" (default FORM; see `_kernel`).
 
     Layouts at the kernel's edge keep every block's last two dims in whole (8, 128) tiles or
     whole dims (XLA and Mosaic must agree on the tiling of what crosses): queries and output as
@@ -109,13 +131,20 @@ def decode_attention(q_bkgd, kt, v, bias_bs, *, rows: int | None = None, slots: 
     s = kq.shape[-1]
     if rows is None or slots is None:
         rows, slots = block_shape(b, kh, d, s, kq.dtype.itemsize)
+    form = form or FORM
+    if form == "vpu":  # queries as columns: [B, K, D, G]
+        q_in = jnp.swapaxes(q_bkgd, -1, -2).astype(jnp.float32)
+        q_spec = pl.BlockSpec((rows, kh, d, g), lambda i, j: (i, 0, 0, 0))
+    else:
+        q_in = q_bkgd.reshape(b, kh * g, d).astype(jnp.float32)
+        q_spec = pl.BlockSpec((rows, kh * g, d), lambda i, j: (i, 0, 0))
     in_specs = [
-        pl.BlockSpec((rows, kh * g, d), lambda i, j: (i, 0, 0)),
+        q_spec,
         pl.BlockSpec((rows, kh, d, slots), lambda i, j: (i, 0, 0, j)),
         pl.BlockSpec((rows, kh, slots, d), lambda i, j: (i, 0, j, 0)),
         pl.BlockSpec((rows, slots), lambda i, j: (i, j)),
     ]
-    args = [q_bkgd.reshape(b, kh * g, d).astype(jnp.float32), kq, vq, bias_bs.astype(jnp.float32)]
+    args = [q_in, kq, vq, bias_bs.astype(jnp.float32)]
     if quantized:
         in_specs += [pl.BlockSpec((rows, kh, slots), lambda i, j: (i, 0, j))] * 2
         args += [kt.scale.reshape(b, kh, s), v.scale.reshape(b, kh, s)]
@@ -123,14 +152,15 @@ def decode_attention(q_bkgd, kt, v, bias_bs, *, rows: int | None = None, slots: 
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     out = pl.pallas_call(
-        functools.partial(_kernel, quantized=quantized, kh=kh, g=g, cdt=q_bkgd.dtype),
+        functools.partial(_kernel, quantized=quantized, kh=kh, g=g, cdt=q_bkgd.dtype, form=form),
         out_shape=jax.ShapeDtypeStruct((b, kh * g, d), jnp.float32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=0, grid=(b // rows, s // slots), in_specs=in_specs,
             out_specs=pl.BlockSpec((rows, kh * g, d), lambda i, j: (i, 0, 0)),
             scratch_shapes=[pltpu.VMEM((n, g, 128), jnp.float32),
                             pltpu.VMEM((n, g, 128), jnp.float32),
-                            pltpu.VMEM((n, g, d), jnp.float32)]),
+                            pltpu.VMEM((n, g, d), jnp.float32)]
+            + ([pltpu.VMEM((g, slots), jnp.float32)] if form == "vpu" else [])),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=4 * VMEM_BUDGET),
         interpret=interpret,

@@ -1,6 +1,7 @@
 """The Pallas splash attention kernel (TPU; interpreted here) against the XLA formulation the
 model uses elsewhere: values and gradients at every real token, with packed segments
-(positions restarting per segment), GQA ratios 1, 2 and 4, and padding at the end of a row."""
+(positions restarting per segment), GQA ratios 1, 2 and 4, and padding at the end of a row.
+The Pallas decode kernel against the same formulation over a KV cache."""
 
 import jax
 import jax.numpy as jnp
@@ -95,3 +96,29 @@ def test_the_attention_is_chosen_in_one_place(monkeypatch):
     assert layers.attention_impl(auto, 1, cached=True) == "xla"  # XLA's decode: faster so far
     monkeypatch.setattr(layers.jax, "device_count", lambda: 8)  # a mesh: not under shard_map yet
     assert layers.attention_impl(auto, 2048, cached=False) == "xla"
+
+
+@pytest.mark.parametrize("form", ["mxu", "vpu"])
+@pytest.mark.parametrize("int8", [False, True])
+def test_the_decode_kernel_equals_xla_attention_over_a_cache(form, int8):
+    """One query token per row over a cache of 256 slots in two blocks of 128, a different
+    visible window per row (left padding, unwritten slots), GQA 2: the kernel (either form,
+    either cache) equals `dot_attention` on the same cache within fp32 summation order."""
+    from posttrain.models.decode_attention import decode_attention
+    from posttrain.models.layers import MASK_VALUE, quantize_kv
+
+    b, kh, g, d, s = 16, 2, 2, 32, 256
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.normal(size=(b, 1, kh * g, d)).astype(np.float32))
+    kt = jnp.asarray(rng.normal(size=(b, kh, d, s)).astype(np.float32))
+    v = jnp.asarray(rng.normal(size=(b, kh, s, d)).astype(np.float32))
+    lo, hi = rng.integers(0, 120, b), rng.integers(130, s + 1, b)
+    visible = (np.arange(s) >= lo[:, None]) & (np.arange(s) < hi[:, None])
+    mask = jnp.asarray(visible)[:, None, :]
+    if int8:
+        kt, v = quantize_kv(kt, -2), quantize_kv(v, -1)
+    want = dot_attention(q, kt, v, mask)
+    qs = (q / np.sqrt(d)).reshape(b, kh, g, d)
+    got = decode_attention(qs, kt, v, jnp.where(visible, 0.0, MASK_VALUE), rows=8, slots=128,
+                           form=form)
+    np.testing.assert_allclose(np.asarray(got).reshape(want.shape), np.asarray(want), atol=2e-6)
