@@ -29,13 +29,14 @@ from posttrain.config import GPU_KINDS, GPU_SHARE, add_recipe_arguments, recipes
 from posttrain.errors import UserError
 
 GB = 1e9
+GIB = 2 ** 30  # TPU HBM comes in binary gigabytes
 # name -> (label, bytes of device memory)
 ACCELERATORS = {
     "h100": ("NVIDIA H100 80GB", 80 * GB), "h200": ("NVIDIA H200 141GB", 141 * GB),
     "a100": ("NVIDIA A100 80GB", 80 * GB), "b200": ("NVIDIA B200 180GB", 180 * GB),
-    "mi300x": ("AMD MI300X 192GB", 192 * GB), "v4": ("TPU v4 32GB", 32 * GB),
-    "v5e": ("TPU v5e 16GB", 16 * GB), "v5p": ("TPU v5p 95GB", 95 * GB),
-    "v6e": ("TPU v6e 32GB", 32 * GB), "cpu": ("host CPU", 24 * GB),
+    "mi300x": ("AMD MI300X 192GB", 192 * GB), "v4": ("TPU v4 32GiB", 32 * GIB),
+    "v5e": ("TPU v5e 16GiB", 16 * GIB), "v5p": ("TPU v5p 95GiB", 95 * GIB),
+    "v6e": ("TPU v6e 32GiB", 32 * GIB), "cpu": ("host CPU", 24 * GB),
 }
 # TPU slice names (TensorCores for v4/v5p, chips for v5e/v6e) -> libtpu topology, chips
 TPU_TOPOLOGIES = {
@@ -48,7 +49,13 @@ TPU_TOPOLOGIES = {
 }
 CUDA_CONTEXT = 0.6 * GB  # per process and GPU: CUDA context + cuBLAS/NCCL workspaces (typical
 # of CUDA 12; not measured on these machines)
-USABLE = 0.92  # of device memory: the runtime, XLA's scratch and fragmentation take the rest
+USABLE = 0.92  # of a GPU's memory: the runtime, XLA's scratch and fragmentation take the rest
+# of a TPU's HBM: what its runtime lets XLA allocate (a v5e: 15.75 of 16 GiB, in XLA's
+# out-of-memory reports and the chip's bytes limit; the other TPUs taken to be alike)
+USABLE_TPU = 15.75 / 16
+def usable(accelerator: str) -> float:
+    """The fraction of `accelerator`'s memory a plan may fill."""
+    return USABLE_TPU if accelerator.startswith("v") else USABLE
 # The libtpu that jax[tpu]==0.10.2 pins. Installed *outside* site-packages (vLLM takes an
 # importable libtpu to mean "this machine has TPUs" and refuses to start on CPU):
 #   pip install --no-deps --target "$VIRTUAL_ENV/libtpu" libtpu==0.0.42.1   (make install does)
@@ -193,12 +200,14 @@ def estimate(cfg, mc, mesh_sizes: dict[str, int], hbm: float) -> Estimate:
         base = sum(math.prod(local) * (1 if lora.int8_base and p[-1] == "kernel" else dt.itemsize)
                    for p, (_, local, dt) in shapes.items())
         est.params, trainable = base + adapters, adapters
+        trainable_f32 = adapters  # the adapters are f32
         est.notes.append(f"LoRA r{lora.rank}: {adapters / GB:.3f} GB of adapters (replicated)")
     else:
         est.params, trainable = pbytes, pbytes
+        trainable_f32 = sum(math.prod(local) * 4 for _, local, _ in shapes.values())
     # the gradient of the micro-batch, plus the accumulator when grad_accum > 1
     est.grads = trainable * (2 if cfg.train.grad_accum > 1 else 1)
-    est.optimizer = 2 * trainable  # AdamW: first and second moments in the parameter dtype
+    est.optimizer = 2 * trainable_f32  # AdamW's two moments, f32 whatever the parameters' dtype
     if is_rl(cfg) and cfg.grpo.beta > 0:
         est.reference = trainable
     c = 2 if mc.compute_dtype == "bfloat16" else 4
@@ -287,10 +296,12 @@ def estimate(cfg, mc, mesh_sizes: dict[str, int], hbm: float) -> Estimate:
     return est
 
 
-def advice(cfg, mc, est: Estimate, hbm: float, mesh_sizes: dict[str, int]) -> list[str]:
+def advice(cfg, mc, est: Estimate, hbm: float, mesh_sizes: dict[str, int],
+           share: float = USABLE) -> list[str]:
     """If the plan does not fit: the first line says by how much; each further line is one
-    setting, its new value and what it saves ("enough" when that change alone makes it fit)."""
-    budget = USABLE * hbm
+    setting, its new value and what it saves ("enough" when that change alone makes it fit).
+    `share`: the part of `hbm` that may be filled (`usable`)."""
+    budget = share * hbm
     total = est.trainer + est.rollout
     if est.jax_share:  # two fixed pools: the trainer must fit in JAX's, the rest beside both
         r = cfg.rollout
@@ -306,7 +317,7 @@ def advice(cfg, mc, est: Estimate, hbm: float, mesh_sizes: dict[str, int]) -> li
         return []
     over = total - budget
     where = (f"JAX's pool: trainer.memory_fraction {cfg.memory_fraction():g} of {hbm / GB:.0f} GB"
-             if est.jax_share else f"{USABLE:.0%} of {hbm / GB:.0f} GB")
+             if est.jax_share else f"{share:.1%} of {hbm / GB:.1f} GB")
     out = [f"does not fit: {total / GB:.1f} GB needed per device, {budget / GB:.1f} GB usable "
            f"({where}); {over / GB:.1f} GB over"]
 
@@ -406,9 +417,11 @@ def compile_train_step(cfg, mc, devices) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from posttrain.compile_cache import resolve_effort
+    from posttrain.models.layers import building_for
     from posttrain.models.transformer import CausalLM
     from posttrain.sharding import batch_sharding, make_mesh, state_shardings, use_mesh
     from posttrain.train.optimizer import (
+        f32_moments_init,
         lr_schedule,
         make_optimizer,
         opt_state_shardings,
@@ -421,7 +434,8 @@ def compile_train_step(cfg, mc, devices) -> dict:
     mesh = make_mesh(cfg.mesh, devices)
     rules = cfg.mesh.rules
     t0 = time.perf_counter()
-    with use_mesh(mesh, rules):
+    # kernels chosen and lowered for the target (splash on one TPU), not for this CPU
+    with use_mesh(mesh, rules), building_for(devices[0].platform, len(devices)):
         abstract = nnx.eval_shape(lambda: CausalLM(mc, nnx.Rngs(0)))
         graphdef, params = nnx.split(abstract, nnx.Param)
         p_sh = state_shardings(params, mesh, rules)
@@ -435,7 +449,7 @@ def compile_train_step(cfg, mc, devices) -> dict:
         else:
             loss_fn = next_token_loss
         optimizer = make_optimizer(cfg.optimizer, steps)
-        opt = jax.eval_shape(optimizer.init, params)
+        opt = jax.eval_shape(f32_moments_init(optimizer), params)  # as init_opt_state makes it
         opt = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), opt,
                            opt_state_shardings(opt, params))
         rep = NamedSharding(mesh, PartitionSpec())
@@ -486,9 +500,11 @@ def plan_stage(cfg, *, n_devices: int, accelerator: str, devices=None) -> dict:
     mc = model_config_for_plan(cfg)
     sizes = mesh_shape(cfg.mesh, n_devices)
     label, hbm = ACCELERATORS[accelerator]
+    frac = usable(accelerator)
     est = estimate(cfg, mc, sizes, hbm)
     out = {"stage": cfg.name, "algorithm": cfg.algorithm, "mesh": sizes, "accelerator": label,
-           "hbm": hbm, "estimate": est, "advice": advice(cfg, mc, est, hbm, sizes), "model": mc}
+           "hbm": hbm, "usable": frac * hbm, "estimate": est,
+           "advice": advice(cfg, mc, est, hbm, sizes, frac), "model": mc}
     if devices is not None:
         out["xla"] = compile_train_step(cfg, mc, devices)
     return out
@@ -538,7 +554,7 @@ def print_report(r: dict, console=None) -> None:
             console.print(f"[green]fits[/]: the trainer's {est.trainer / GB:.1f} GB in JAX's "
                           f"{est.jax_share / GB:.1f} GB pool per GPU, vLLM beside it")
         else:
-            budget = USABLE * r["hbm"]
+            budget = r["usable"]
             console.print(f"[green]fits[/]: {(est.trainer + est.rollout) / GB:.1f} GB of "
                           f"{budget / GB:.1f} GB usable per device")
 
@@ -641,7 +657,7 @@ def as_json(r: dict) -> dict:
     est = r["estimate"]
     return {"stage": r["stage"], "mesh": r["mesh"], "accelerator": r["accelerator"],
             "estimate": dict(est.rows()), "trainer_total": est.trainer,
-            "total": est.trainer + est.rollout, "usable": USABLE * r["hbm"],
+            "total": est.trainer + est.rollout, "usable": r["usable"],
             "jax_pool": est.jax_share,
             "fits": not r["advice"], "advice": r["advice"], "notes": est.notes,
             "xla": r.get("xla")}

@@ -69,8 +69,9 @@ def inverse_cdf(key, logprobs_bv: jax.Array, block: int = 1024) -> jax.Array:
     mass."""
     b, v = logprobs_bv.shape
     p = jnp.exp(logprobs_bv)
-    if v <= 2 * block:
-        return _first_above(p, _draw(key, p.sum(-1, keepdims=True)))
+    if v <= 2 * block:  # one level: the row's own cumulative sum bounds the draw
+        cdf = jnp.cumsum(p, axis=-1)
+        return jnp.sum(cdf <= _draw(key, cdf[:, -1:]), axis=-1).astype(jnp.int32)
     nb = -(-v // block)
     p3 = jnp.pad(p, ((0, 0), (0, nb * block - v))).reshape(b, nb, block)
     sums = p3.sum(-1)  # [B, nb]
@@ -90,7 +91,8 @@ def _draw(key, total_b1: jax.Array) -> jax.Array:
 
 def _first_above(p_bv: jax.Array, u_b1: jax.Array) -> jax.Array:
     """The first index whose cumulative probability exceeds u, or the last index with mass when
-    rounding leaves u at or above the row's cumulative total."""
+    rounding leaves u at or above the block's cumulative total (its sum in the block sums may
+    have rounded above its own cumulative sum)."""
     v = p_bv.shape[-1]
     idx = jnp.sum(jnp.cumsum(p_bv, axis=-1) <= u_b1, axis=-1)
     iota = jax.lax.broadcasted_iota(jnp.int32, p_bv.shape, 1)

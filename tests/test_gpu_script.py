@@ -73,6 +73,9 @@ def test_tpu_train_step_dry_run_writes_its_table(tmp_path):
     res = json.loads((tmp_path / "train_step.json").read_text())
     full, lora, dpo = res["runs"]
     assert full["head_chunk_positions"] == 16 and full["tokens_per_s"] > 0 and full["loss"] > 0
+    # XLA's own bytes for the program (arguments + temporaries): the figure a chip's peak
+    # counter does not give (it misses the program's temporaries on a TPU)
+    assert full["xla_bytes"] > full["xla_temp_bytes"] > 0
     # LoRA over an int8 frozen base, bf16 parameters: only the adapters train, and the profile
     # says where the step's op time goes
     assert lora["lora_rank"] == 4 and lora["int8_base"] and lora["loss"] > 0
@@ -141,3 +144,20 @@ def test_tpu_grpo_step_dry_run_runs_the_one_chip_recipe(tmp_path):
     assert res["step_s"] > 0 and res["rollout_s"] > 0 and res["update_s"] > 0
     assert res["completion_tokens_mean"] == 16  # a random policy runs to the limit
     assert res["compiles_per_step"][2:] == [0, 0]
+
+
+def test_tpu_sft_run_dry_run_compares_the_accelerator_with_the_cpu(tmp_path):
+    """`benchmarks/tpu/sft_run.py` (run on the TPU machine) stays runnable: its CPU dry run writes
+    a random model and tokenizer, runs the shipped one-chip SFT recipe through `posttrain run`
+    and the two comparison runs, and reads every step's loss back (here all three on the CPU, so
+    the comparison's losses are equal)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    r = subprocess.run([sys.executable, "-m", "benchmarks.tpu.sft_run", "--dry-run", "--steps", "2",
+                        "--compare-steps", "2", "--out", str(tmp_path)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "sft_run.json").read_text())
+    assert len(res["shipped"]["losses"]) == 2 and res["shipped"]["compiles_per_step"][1:] == [0]
+    cmp = res["compare"]
+    assert len(cmp["accelerator"]["losses"]) == len(cmp["cpu"]["losses"]) == 2
+    assert cmp["agree"] and cmp["max_rel_diff"] <= res["loss_rtol"]

@@ -218,6 +218,9 @@ def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
     t0 = time.perf_counter()
     compiled = step.lower(state, data).compile()
     compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()  # the program's own bytes: the chip's peak counter misses
+    xla_bytes = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+                 + mem.temp_size_in_bytes) if mem else None  # its temporaries
     box = [state]
 
     def once():
@@ -254,7 +257,8 @@ def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
                               else "6N + causal attention at half")
            + (" + the reference's forward (2N)" if o["dpo"] and o["lora"] else ""),
            "algorithm": "dpo" if o["dpo"] else "sft",
-           "peak_bytes": stats.get("peak_bytes_in_use"), "compile_s": compile_s,
+           "peak_bytes": stats.get("peak_bytes_in_use"), "xla_bytes": xla_bytes,
+           "xla_temp_bytes": mem.temp_size_in_bytes if mem else None, "compile_s": compile_s,
            "loss": float(m["loss"]) if "loss" in m else None, "device": str(dev.device_kind)}
     if o["profile"]:
         from benchmarks.tpu.profile import op_breakdown

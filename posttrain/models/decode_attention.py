@@ -150,7 +150,9 @@ def decode_attention(q_bkgd, kt, v, bias_bs, *, rows: int | None = None, slots: 
         args += [kt.scale.reshape(b, kh, s), v.scale.reshape(b, kh, s)]
     n = rows * kh
     if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+        from posttrain.models.layers import target
+
+        interpret = target()[0] != "tpu"
     out = pl.pallas_call(
         functools.partial(_kernel, quantized=quantized, kh=kh, g=g, cdt=q_bkgd.dtype, form=form),
         out_shape=jax.ShapeDtypeStruct((b, kh * g, d), jnp.float32),

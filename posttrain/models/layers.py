@@ -12,6 +12,7 @@ E hidden size, F MLP size, V vocab.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -239,6 +240,26 @@ SPLASH_BLOCK = 1024  # splash attention's query/key tile on TPU (BENCHMARKS.md: 
 SPLASH_FUSED_BWD = True  # dQ computed inside the dK/dV kernel: one backward kernel, not two
 
 
+_TARGET: tuple[str, int] | None = None  # (platform, devices) programs are built for; see below
+
+
+def target() -> tuple[str, int]:
+    """The platform and device count the programs being traced will run on: JAX's default
+    backend and its devices, unless `building_for` says otherwise (`posttrain plan` compiling
+    for a TPU topology from a CPU machine), so kernels are chosen and lowered for the target."""
+    return _TARGET or (jax.default_backend(), jax.device_count())
+
+
+@contextlib.contextmanager
+def building_for(platform: str, devices: int):
+    global _TARGET
+    prev, _TARGET = _TARGET, (platform, devices)
+    try:
+        yield
+    finally:
+        _TARGET = prev
+
+
 def attention_impl(cfg: ModelConfig, t: int, cached: bool) -> str:
     """Which attention a call runs: `cfg.attention`, with `auto` resolved here, in one place.
     Splash (the Pallas TPU kernel) serves calls without a KV cache (training, scoring) whose
@@ -251,7 +272,7 @@ def attention_impl(cfg: ModelConfig, t: int, cached: bool) -> str:
     if t % 128:
         return "xla"
     if cfg.attention == "auto":
-        return "splash" if jax.default_backend() == "tpu" and jax.device_count() == 1 else "xla"
+        return "splash" if target() == ("tpu", 1) else "xla"
     return "xla" if cfg.attention == "xla" else "splash"
 
 
@@ -297,7 +318,7 @@ def splash_attention(q_bthd, k_btkd, v_btkd, seg_bt) -> jax.Array:
                           use_fused_bwd_kernel=SPLASH_FUSED_BWD, **dq)
     kernel = sa.make_splash_mqa_single_device(
         sa.MultiHeadMask([sa.CausalMask((t, t))] * g), block_sizes=sizes,
-        interpret=jax.default_backend() != "tpu")
+        interpret=target()[0] != "tpu")
     q = (q_bthd * (1 / math.sqrt(d))).astype(q_bthd.dtype)
     q = q.reshape(b, t, kh, g, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
     k = k_btkd.transpose(0, 2, 1, 3)  # [B, K, T, D]

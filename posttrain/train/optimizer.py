@@ -72,9 +72,16 @@ def init_opt_state(optimizer: optax.GradientTransformation, params):
     moments. (The step's gradients are f32, divided by the f32 token count, so moments made in
     bf16 would turn f32 after the first update anyway: a second compile and, donated, a
     mismatch.)"""
+    init = f32_moments_init(optimizer)
+    abstract = jax.eval_shape(init, params)
+    return jax.jit(init, out_shardings=opt_state_shardings(abstract, params))(params)
+
+
+def f32_moments_init(optimizer: optax.GradientTransformation):
+    """`optimizer.init` over the parameters cast to f32: the state `init_opt_state` makes (and
+    `posttrain plan` compiles against)."""
     def init(p):
         return optimizer.init(jax.tree.map(lambda x: x.astype(jnp.float32)
                                            if jnp.issubdtype(x.dtype, jnp.floating) else x, p))
 
-    abstract = jax.eval_shape(init, params)
-    return jax.jit(init, out_shardings=opt_state_shardings(abstract, params))(params)
+    return init

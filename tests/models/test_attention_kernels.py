@@ -83,6 +83,9 @@ def test_the_attention_is_chosen_in_one_place(monkeypatch):
 
     auto, splash = CFG, CFG.model_copy(update={"attention": "splash"})
     assert layers.attention_impl(auto, 2048, cached=False) == "xla"  # CPU
+    with layers.building_for("tpu", 1):  # `posttrain plan --topology v5e-1` on this CPU
+        assert layers.attention_impl(auto, 2048, cached=False) == "splash"
+    assert layers.attention_impl(auto, 2048, cached=False) == "xla"
     assert layers.attention_impl(splash, 2048, cached=False) == "splash"  # interpreted
     assert layers.attention_impl(splash, 2048, cached=True) == "xla"  # decode: the cache's own
     pallas = CFG.model_copy(update={"attention": "pallas"})
@@ -94,6 +97,8 @@ def test_the_attention_is_chosen_in_one_place(monkeypatch):
     monkeypatch.setattr(layers.jax, "device_count", lambda: 1)
     assert layers.attention_impl(auto, 2048, cached=False) == "splash"
     assert layers.attention_impl(auto, 1, cached=True) == "xla"  # XLA's decode: faster so far
+    with layers.building_for("tpu", 4):  # `posttrain plan --topology v5e-4`: a mesh
+        assert layers.attention_impl(auto, 2048, cached=False) == "xla"
     monkeypatch.setattr(layers.jax, "device_count", lambda: 8)  # a mesh: not under shard_map yet
     assert layers.attention_impl(auto, 2048, cached=False) == "xla"
 
