@@ -1,6 +1,7 @@
 """A GRPO step of the 0.6B shape on one accelerator chip, split by phase.
 
     python -m benchmarks.tpu.grpo_step [--steps 5] [--out DIR] [--set KEY=VALUE ...] [--dry-run]
+                                       [--peer tunix]
 
 The shipped one-chip recipe (`recipes/grpo_qwen3_0_6b_v5e.yaml`: LoRA 16, 64 prompts x 8
 samples, up to 256 new tokens, the colocated JAX engine with an int8 KV cache of at most 64
@@ -18,7 +19,9 @@ its phases (rollout, reward, logprob, update, sync), the tokens generated per se
 programs compiled per step (`compile/count`). On the TPU machine (../shared/TPU.md), after
 `source .whl-tpu/setup.sh`, with `--out $OUT`; this process never opens the chip (the model is
 made on the CPU), the run's process does. `--dry-run`: a tiny shape and workload on CPU (the
-test suite runs it so the command stays working).
+test suite runs it so the command stays working). `--peer tunix`: then Tunix's GRPO on the same
+workload in a process of its own (`benchmarks.tpu.tunix_grpo`; needs $TUNIX_PATH, see
+../shared/TPU.md), and the ratio of its median step to ours.
 """
 
 from __future__ import annotations
@@ -91,12 +94,24 @@ def summary(run_dir: Path, prompts: int, group: int) -> dict:
             "compile_seconds": round(sum(r.get("compile/seconds", 0) for r in rows), 1)}
 
 
+def tunix_peer(args, env: dict) -> dict:
+    """`benchmarks.tpu.tunix_grpo` in a process of its own, Tunix on its path alone."""
+    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [
+        os.environ.get("TUNIX_PATH"), env.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "benchmarks.tpu.tunix_grpo", "--steps", str(args.steps),
+           *(["--tiny"] if args.dry_run else [])]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("@@")), None)
+    return json.loads(line[2:]) if line else {"peer": "tunix", "error": p.stderr[-1500:]}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--set", action="append", default=[], help="recipe override KEY=VALUE")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (the test suite)")
+    ap.add_argument("--peer", default="", choices=["", "tunix"])
     args = ap.parse_args()
     os.environ["JAX_PLATFORMS"] = "cpu"  # this process makes the model; the run holds the chip
     import yaml
@@ -122,6 +137,10 @@ def main():
         res.update(summary(run_dir, g["prompts_per_step"], g["group_size"]))
     if p.returncode:
         res["error"] = p.stderr[-1500:]
+    if args.peer == "tunix":
+        res["tunix"] = tunix_peer(args, env)
+        if "median_step_s" in res["tunix"] and "step_s" in res:
+            res["ours_over_tunix"] = res["tunix"]["median_step_s"] / res["step_s"]
     print(json.dumps(res), flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
