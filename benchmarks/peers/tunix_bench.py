@@ -270,6 +270,35 @@ def load_prompts(path: str | None) -> list[dict]:
             for r in generated.prompt_completion_rows("train", 2000, 99, 0)]
 
 
+def time_cluster(cluster, on_update=None) -> dict[str, list]:
+    """Wraps `cluster.generate` and `cluster.update_actor` (instance attributes, so they see
+    the learner's calls from any thread) to record: each rollout's seconds and mean completion
+    length, each update's seconds and end stamp."""
+    import numpy as np
+
+    t = {"rollout_s": [], "lengths": [], "train_s": [], "ends": []}
+    generate, update_actor = cluster.generate, cluster.update_actor
+
+    def timed_generate(*a, **k):
+        t0 = time.perf_counter()
+        out = generate(*a, **k)
+        t["rollout_s"].append(time.perf_counter() - t0)
+        t["lengths"].append(float(np.mean([len(x) for x in out.tokens])))
+        return out
+
+    def timed_update_actor(*a, **k):
+        t0 = time.perf_counter()
+        out = update_actor(*a, **k)
+        t["ends"].append(time.perf_counter())
+        t["train_s"].append(t["ends"][-1] - t0)
+        if on_update:
+            on_update(t)
+        return out
+
+    cluster.generate, cluster.update_actor = timed_generate, timed_update_actor
+    return t
+
+
 def run_grpo(model_dir: Path, steps: int, prompts_json: str | None) -> dict:
     import numpy as np
     import optax
@@ -314,28 +343,14 @@ def run_grpo(model_dir: Path, steps: int, prompts_json: str | None) -> dict:
     if learner.should_sync_weights:
         log("warning: Tunix will sync weights between actor and rollout every step")
 
-    # Timing wrappers (instance attributes, so they see the learner's calls from any thread).
-    rollout_s, train_s, ends, lengths = [], [], [], []
-    generate, update_actor = cluster.generate, cluster.update_actor
-
-    def timed_generate(*a, **k):
-        t = time.perf_counter()
-        out = generate(*a, **k)
-        rollout_s.append(time.perf_counter() - t)
-        lengths.append(float(np.mean([len(x) for x in out.tokens])))
-        return out
-
-    def timed_update_actor(*a, **k):
-        t = time.perf_counter()
-        out = update_actor(*a, **k)
-        ends.append(time.perf_counter())
-        train_s.append(ends[-1] - t)
+    def on_update(t):
+        ends, r, u = t["ends"], t["rollout_s"], t["train_s"]
         log(f"step {len(ends)}: {ends[-1] - (ends[-2] if len(ends) > 1 else t0):.3f} s "
-            f"(rollout {rollout_s[-1]:.3f}, train {train_s[-1]:.3f})")
-        return out
+            f"(rollout {r[-1]:.3f}, train {u[-1]:.3f})")
 
-    cluster.generate, cluster.update_actor = timed_generate, timed_update_actor
-
+    timing = time_cluster(cluster, on_update)
+    rollout_s, train_s, ends, lengths = (timing[k] for k in ("rollout_s", "train_s", "ends",
+                                                              "lengths"))
     t0 = time.perf_counter()
     learner.train(batches())
     wall = time.perf_counter() - t0

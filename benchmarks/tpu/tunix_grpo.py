@@ -49,15 +49,14 @@ def main():
     import numpy as np
     import optax
     import qwix
-    from flax import nnx
     from transformers import AutoTokenizer
-    from tunix.models.qwen3 import model as qwen3
     from tunix.rl import rl_cluster as rl_cluster_lib
     from tunix.rl.grpo import grpo_learner
     from tunix.rl.rollout import base_rollout
-    from tunix.utils import mesh as mesh_lib
 
+    from benchmarks.peers.tunix_bench import time_cluster
     from benchmarks.tpu.grpo_step import make_model
+    from benchmarks.tpu.tunix_sft import tunix_qwen3
     from posttrain.data import generated
 
     prompts, group, max_new, prompt_len = (4, 4, 16, 32) if args.tiny else (64, 8, 256, 32)
@@ -66,23 +65,12 @@ def main():
     work = Path(tempfile.mkdtemp(prefix="tunix_grpo_"))
     make_model(work / "model", tiny=True)  # the tokenizer (the model there is not used)
     tok = AutoTokenizer.from_pretrained(str(work / "model"))
-    if args.tiny:
-        cfg = qwen3.ModelConfig(num_layers=2, vocab_size=4096, embed_dim=64, hidden_dim=128,
-                                num_heads=2, head_dim=32, num_kv_heads=1, rope_theta=10000,
-                                norm_eps=1e-6, use_tied_embedding=True)
-    else:
-        cfg = qwen3.ModelConfig.qwen3_0p6b()
-    on_tpu = jax.default_backend() == "tpu"
     # bf16 parameters: with f32 ones its LoRA path (qwix, f32 adapters) makes f32 values that
-    # its vanilla sampler cannot write into its bf16 KV cache (Tunix 0.1.7)
-    cfg.dtype, cfg.param_dtype = jnp.bfloat16, jnp.bfloat16
-    # no remat: with it, its sampler's while-loop over a qwix LoRA model fails ("Cannot mutate
-    # Param from a different trace level", Tunix 0.1.7; the config serves both)
-    cfg.remat_config = qwen3.RematConfig.NONE
-    cfg.use_flash_attention = on_tpu
-    mesh = mesh_lib.create_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1])
+    # its vanilla sampler cannot write into its bf16 KV cache; no remat: with it, its sampler's
+    # while-loop over a qwix LoRA model fails ("Cannot mutate Param from a different trace
+    # level"). Both Tunix 0.1.7; one model config serves its rollout and its update.
+    base, cfg, mesh = tunix_qwen3(args.tiny, 4096, jnp.bfloat16, "NONE")
     with mesh:
-        base = qwen3.Qwen3(cfg, rngs=nnx.Rngs(0))
         lora = qwix.LoraProvider(module_path=".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|"
                                  "down_proj)", rank=rank, alpha=2.0 * rank)
         actor = qwix.apply_lora_to_model(base, lora, **base.get_model_input())
@@ -122,22 +110,8 @@ def main():
         rl_cluster=cluster, reward_fns=[reward],
         algo_config=grpo_learner.GRPOConfig(num_generations=group, num_iterations=1, beta=0.0))
 
-    ends, rollout_s, lengths = [], [], []
-    generate, update_actor = cluster.generate, cluster.update_actor
-
-    def timed_generate(*a, **k):
-        t = time.perf_counter()
-        out = generate(*a, **k)
-        rollout_s.append(time.perf_counter() - t)
-        lengths.append(float(np.mean([len(x) for x in out.tokens])))
-        return out
-
-    def timed_update_actor(*a, **k):
-        out = update_actor(*a, **k)
-        ends.append(time.perf_counter())
-        return out
-
-    cluster.generate, cluster.update_actor = timed_generate, timed_update_actor
+    t = time_cluster(cluster)
+    ends, rollout_s, lengths = t["ends"], t["rollout_s"], t["lengths"]
     t0 = time.perf_counter()
     learner.train(batches())
     wall = time.perf_counter() - t0

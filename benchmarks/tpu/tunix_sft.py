@@ -20,6 +20,29 @@ import time
 WARMUP = 2
 
 
+def tunix_qwen3(tiny: bool, tiny_vocab: int, param_dtype, remat: str):
+    """Tunix's own Qwen3 with random weights (the 0.6B preset, or a tiny shape), bf16 compute,
+    its splash attention on a TPU, on a 1x1 ("fsdp", "tp") mesh: (model, config, mesh)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from tunix.models.qwen3 import model as qwen3
+    from tunix.utils import mesh as mesh_lib
+
+    if tiny:
+        cfg = qwen3.ModelConfig(num_layers=2, vocab_size=tiny_vocab, embed_dim=64, hidden_dim=128,
+                                num_heads=2, head_dim=32, num_kv_heads=1, rope_theta=10000,
+                                norm_eps=1e-6, use_tied_embedding=True)
+    else:
+        cfg = qwen3.ModelConfig.qwen3_0p6b()
+    cfg.dtype, cfg.param_dtype = jnp.bfloat16, param_dtype
+    cfg.remat_config = getattr(qwen3.RematConfig, remat)
+    cfg.use_flash_attention = jax.default_backend() == "tpu"
+    mesh = mesh_lib.create_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1])
+    with mesh:
+        return qwen3.Qwen3(cfg, rngs=nnx.Rngs(0)), cfg, mesh
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="0.6b:2x2048")
@@ -30,28 +53,13 @@ def main():
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from flax import nnx
-    from tunix.models.qwen3 import model as qwen3
     from tunix.sft import peft_trainer
-    from tunix.utils import mesh as mesh_lib
 
     from benchmarks.peers.tunix_bench import gen_model_input_fn, step_clock
 
     shape, bs = args.config.split(":")
     batch, seq = map(int, bs.split("x"))
-    on_tpu = jax.default_backend() == "tpu"
-    if args.tiny:
-        cfg = qwen3.ModelConfig(num_layers=2, vocab_size=512, embed_dim=64, hidden_dim=128,
-                                num_heads=2, head_dim=32, num_kv_heads=1, rope_theta=10000,
-                                norm_eps=1e-6, use_tied_embedding=True)
-    else:
-        cfg = qwen3.ModelConfig.qwen3_0p6b()
-    cfg.dtype, cfg.param_dtype = jnp.bfloat16, jnp.float32
-    cfg.remat_config = qwen3.RematConfig.DECODER
-    cfg.use_flash_attention = on_tpu
-    mesh = mesh_lib.create_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1])
-    with mesh:
-        model = qwen3.Qwen3(cfg, rngs=nnx.Rngs(0))
+    model, cfg, mesh = tunix_qwen3(args.tiny, 512, jnp.float32, "DECODER")
 
     config = peft_trainer.TrainingConfig(
         eval_every_n_steps=10**9, max_steps=args.steps, checkpoint_root_directory=None,
