@@ -123,9 +123,7 @@ def decode_attention(q_bkgd, kt, v, bias_bs, *, rows: int | None = None, slots: 
     Layouts at the kernel's edge keep every block's last two dims in whole (8, 128) tiles or
     whole dims (XLA and Mosaic must agree on the tiling of what crosses): queries and output as
     f32 [B, H, D], the scales as [B, K, S] and the bias as [B, S]."""
-    from posttrain.models.layers import QuantizedKV
-
-    quantized = isinstance(kt, QuantizedKV)
+    quantized = hasattr(kt, "scale")  # a `layers.QuantizedKV` (int8 values, f32 scales)
     b, kh, g, d = q_bkgd.shape
     kq, vq = (kt.q, v.q) if quantized else (kt, v)
     s = kq.shape[-1]
@@ -149,10 +147,8 @@ def decode_attention(q_bkgd, kt, v, bias_bs, *, rows: int | None = None, slots: 
         in_specs += [pl.BlockSpec((rows, kh, slots), lambda i, j: (i, 0, j))] * 2
         args += [kt.scale.reshape(b, kh, s), v.scale.reshape(b, kh, s)]
     n = rows * kh
-    if interpret is None:
-        from posttrain.models.layers import target
-
-        interpret = target()[0] != "tpu"
+    if interpret is None:  # `layers.cached_decode_attention` passes it for its target
+        interpret = jax.default_backend() != "tpu"
     out = pl.pallas_call(
         functools.partial(_kernel, quantized=quantized, kh=kh, g=g, cdt=q_bkgd.dtype, form=form),
         out_shape=jax.ShapeDtypeStruct((b, kh * g, d), jnp.float32),

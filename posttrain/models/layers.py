@@ -289,7 +289,8 @@ def cached_decode_attention(q_bthd, kt_bkds, v_bksd, mask_bts) -> jax.Array | No
         return None
     q = (q_bthd * (1 / math.sqrt(d))).astype(q_bthd.dtype).reshape(b, kh, h // kh, d)
     bias = jnp.where(mask_bts[:, 0], 0.0, MASK_VALUE).astype(jnp.float32)
-    return decode_attention(q, kt_bkds, v_bksd, bias).reshape(b, 1, h * d)
+    return decode_attention(q, kt_bkds, v_bksd, bias,
+                            interpret=target()[0] != "tpu").reshape(b, 1, h * d)
 
 
 def splash_block(t: int) -> int:

@@ -434,13 +434,18 @@ def test_the_pallas_decode_kernel_draws_what_xla_draws(setup):
     """`model.attention: pallas` (splash and the Pallas decode kernel) decodes with
     `decode_attention` over the KV cache, interpreted here: the same tokens and kept counts as
     XLA's attention and log-probs within 1e-5 (fp32 summation order), with the fp32 cache and
-    with the int8 one, over prompts of mixed lengths (left padding masked per row)."""
+    with the int8 one, over prompts of mixed lengths (left padding masked per row). One
+    architecture: the kernel sees only queries and the cache, which Llama's forward makes as
+    Qwen3's does (the suite's time)."""
     d, _, tok, _ = setup
-    xla, kern = from_pretrained(d), from_pretrained(d, attention="pallas")
+    xla = from_pretrained(d)
+    if xla.cfg.arch != "qwen3":
+        pytest.skip("the decode kernel is architecture-blind: Qwen3 covers it")
+    kern = from_pretrained(d, attention="pallas")
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, xla.cfg.vocab_size, int(rng.integers(2, 30))).tolist()
                for _ in range(5)]
-    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, n=2, seed=7)
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, n=2, seed=7)
     for kv in ("auto", "int8"):
         a = JaxEngine(xla, tok, kv_cache_dtype=kv).generate(prompts, sp)
         b = JaxEngine(kern, tok, kv_cache_dtype=kv).generate(prompts, sp)
