@@ -43,7 +43,7 @@ def parse(config: str) -> tuple[int, int, dict]:
     return b, s, o
 
 
-def run(config: str, kh: int = 8, g: int = 2, d: int = 128) -> dict:
+def run(config: str, kh: int = 8, g: int = 2, d: int = 128, layers_n: int = LAYERS) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -76,7 +76,7 @@ def run(config: str, kh: int = 8, g: int = 2, d: int = 128) -> dict:
     def layered(f):  # LAYERS calls, each feeding the next (nothing hoisted or merged)
         def body(_, x):
             return f(x, kt, v).astype(x.dtype).reshape(x.shape)
-        return jax.jit(lambda x: jax.lax.fori_loop(0, LAYERS, body, x))
+        return jax.jit(lambda x: jax.lax.fori_loop(0, layers_n, body, x))
 
     res = {"config": config, "batch": b, "slots": s, "int8": o["int8"], "block": [rows, slots],
            "form": o["form"], "device": str(jax.devices()[0].device_kind)}
@@ -96,7 +96,7 @@ def run(config: str, kh: int = 8, g: int = 2, d: int = 128) -> dict:
             t0 = time.perf_counter()
             jax.block_until_ready(run_layers(x))
             ts.append(time.perf_counter() - t0)
-        per_call = float(np.median(ts)) / LAYERS
+        per_call = float(np.median(ts)) / layers_n
         res[f"{name}_us"] = per_call * 1e6
         res[f"{name}_of_roofline"] = kv_bytes / bw / per_call if bw else None
     res["kernel_over_xla"] = res["xla_us"] / res["kernel_us"]
@@ -114,7 +114,7 @@ def main():
     results = {"runs": []}
     for c in configs.split(","):
         try:
-            res = run(c) if not args.dry_run else run(c, kh=2, g=2, d=32)
+            res = run(c) if not args.dry_run else run(c, kh=2, g=2, d=32, layers_n=2)
         except Exception as e:  # one configuration's failure (out of memory, lowering) is a row
             res = {"config": c, "error": f"{type(e).__name__}: {str(e)[:600]}"}
         results["runs"].append(res)
