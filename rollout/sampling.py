@@ -106,15 +106,20 @@ def sample(key, logits_bv: jax.Array, temperature, top_k, top_p, full=False
     the raw softmax, the whole vocabulary kept). The sort behind top-k / top-p only runs when
     one of them is active."""
     v = logits_bv.shape[-1]
-    scaled = logits_bv.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+    x = logits_bv.astype(jnp.float32)
+    scaled = x / jnp.maximum(temperature, 1e-6)
     filtering = (jnp.asarray(top_k) > 0) | (jnp.asarray(top_p) < 1.0)  # arrays: `~` is logical
     processed = jax.lax.cond(filtering, lambda x: process_logits(x, temperature, top_k, top_p),
                              lambda x: scaled, logits_bv)
-    lp_processed = jax.nn.log_softmax(processed, axis=-1)
-    sampled = inverse_cdf(key, lp_processed)
+    # unnormalised log-weights: the draw scales its uniform to the row's total
+    sampled = inverse_cdf(key, processed - jnp.max(processed, axis=-1, keepdims=True))
     is_greedy = temperature <= 0
     tok = jnp.where(is_greedy, argmax_first(logits_bv), sampled)
-    lp = jnp.where(is_greedy, jax.nn.log_softmax(logits_bv.astype(jnp.float32), axis=-1),
-                   jnp.where(full, jax.nn.log_softmax(scaled, axis=-1), lp_processed))
+
+    def logprob(z):  # log softmax(z) at the drawn token: a gather and a logsumexp per row,
+        # never the whole [B, V] log-softmax
+        return jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(z, axis=-1)
+
+    lp = jnp.where(is_greedy, logprob(x), jnp.where(full, logprob(scaled), logprob(processed)))
     kept = jnp.where(is_greedy | ~filtering, v, (processed > NEG / 2).sum(-1))
-    return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0], kept.astype(jnp.int32)
+    return tok, lp, kept.astype(jnp.int32)
