@@ -55,7 +55,14 @@ USABLE = 0.92  # of a GPU's memory: the runtime, XLA's scratch and fragmentation
 USABLE_TPU = 15.75 / 16
 def usable(accelerator: str) -> float:
     """The fraction of `accelerator`'s memory a plan may fill."""
-    return USABLE_TPU if accelerator.startswith("v") else USABLE
+    return USABLE_TPU if ACCELERATORS[accelerator][0].startswith("TPU") else USABLE
+
+
+def program_bytes(m) -> int:
+    """A compiled program's bytes on its device from XLA's `memory_analysis()`: arguments,
+    outputs not aliased to them, and temporaries."""
+    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+            + m.temp_size_in_bytes)
 # The libtpu that jax[tpu]==0.10.2 pins. Installed *outside* site-packages (vLLM takes an
 # importable libtpu to mean "this machine has TPUs" and refuses to start on CPU):
 #   pip install --no-deps --target "$VIRTUAL_ENV/libtpu" libtpu==0.0.42.1   (make install does)
@@ -482,8 +489,7 @@ def compile_train_step(cfg, mc, devices) -> dict:
         finally:
             jax.config.update("jax_exec_time_optimization_effort", prev)
     m = compiled.memory_analysis()
-    total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-             + m.temp_size_in_bytes)
+    total = program_bytes(m)
     return {"platform": devices[0].platform, "devices": len(devices),
             "device_kind": getattr(devices[0], "device_kind", ""),
             "arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,

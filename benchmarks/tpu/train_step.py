@@ -188,6 +188,7 @@ def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
     import optax
 
     from posttrain.models.layers import attention_impl
+    from posttrain.plan import program_bytes
     from posttrain.train.optimizer import init_opt_state
     from posttrain.train.step import TrainState, head_chunk as chunk_of, make_train_step, \
         next_token_loss
@@ -219,8 +220,7 @@ def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
     compiled = step.lower(state, data).compile()
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()  # the program's own bytes: the chip's peak counter misses
-    xla_bytes = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-                 + mem.temp_size_in_bytes) if mem else None  # its temporaries
+    xla_bytes = program_bytes(mem) if mem else None  # its temporaries
     box = [state]
 
     def once():
