@@ -18,24 +18,36 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from posttrain.algorithms.grpo import kth_largest, largest_value_where
+
 NEG = -1e30
 
 
 def process_logits(logits_bv: jax.Array, temperature, top_k, top_p) -> jax.Array:
+    """The temperature-scaled logits with every token outside top-k, then top-p, set to NEG.
+
+    Both cuts are values found without sorting the vocabulary (a sort of [B, 152k] per decode
+    step is the sampler's whole cost on a CPU and a log-squared-depth network on a TPU, and the
+    most expensive part of the decode program to compile): top-k keeps the logits >= the k-th
+    largest (`kth_largest`); top-p then keeps the logits >= the largest value t whose tokens
+    at or above t hold at least `top_p` of what top-k kept, which is the smallest kept value
+    whose strictly larger tokens hold less than `top_p`: the cut of the smallest sorted prefix
+    with mass >= top_p (`largest_value_where`). Each is 32 passes over [B, V], and each runs
+    only when its parameter is active."""
     x = logits_bv.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
-    v = x.shape[-1]
-    sorted_desc = jnp.sort(x, axis=-1)[:, ::-1]
-    # top-k: keep logits >= the k-th largest (k = 0 means all)
+    b, v = x.shape
+    none = jnp.full((b, 1), -jnp.inf, jnp.float32)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-    kth = jnp.take_along_axis(sorted_desc, jnp.broadcast_to(k - 1, (x.shape[0], 1)), axis=-1)
+    kth = jax.lax.cond(k < v, lambda x: kth_largest(x, jnp.broadcast_to(k, (b,))), lambda x: none, x)
     x = jnp.where(x >= kth, x, NEG)
-    # top-p over what top-k kept: keep the smallest prefix of sorted tokens with mass >= p
-    sorted_kept = jnp.where(sorted_desc >= kth, sorted_desc, NEG)
-    probs = jax.nn.softmax(sorted_kept, axis=-1)
-    cum_before = jnp.cumsum(probs, axis=-1) - probs
-    keep_sorted = cum_before < top_p  # the first token is always kept
-    cutoff = jnp.min(jnp.where(keep_sorted, sorted_kept, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(x >= cutoff, x, NEG)
+    e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))  # 0 where cut
+    need = top_p * e.sum(-1, keepdims=True)
+
+    def enough(ge):
+        return ((e * ge).sum(-1, keepdims=True) >= need) | ge.all(-1, keepdims=True)
+
+    cut = jax.lax.cond(top_p < 1.0, lambda x: largest_value_where(x, enough), lambda x: none, x)
+    return jnp.where(x >= cut, x, NEG)
 
 
 def argmax_first(x_bv: jax.Array) -> jax.Array:
@@ -103,8 +115,8 @@ def _first_above(p_bv: jax.Array, u_b1: jax.Array) -> jax.Array:
 def sample(key, logits_bv: jax.Array, temperature, top_k, top_p, full=False
            ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(tokens [B], logprobs [B], kept counts [B]). Greedy when temperature == 0 (log-prob of
-    the raw softmax, the whole vocabulary kept). The sort behind top-k / top-p only runs when
-    one of them is active."""
+    the raw softmax, the whole vocabulary kept). The cuts of top-k / top-p only run when one of
+    them is active."""
     v = logits_bv.shape[-1]
     x = logits_bv.astype(jnp.float32)
     scaled = x / jnp.maximum(temperature, 1e-6)

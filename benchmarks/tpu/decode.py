@@ -8,8 +8,8 @@ the default is unrolled layers, one KV buffer per layer, as the engine decodes:
 `rollout.unroll_layers`; `+unroll` says so explicitly), `+topp=P` (nucleus sampling; default temperature 1 and the
 whole vocabulary), `+effort=X` (XLA's execution-time optimisation effort, -1 to 1), `+int8` (the
 KV cache in int8 with a scale per token and head: `rollout.kv_cache_dtype`), `+attn=pallas` (the
-Pallas decode kernel over the cache instead of XLA's attention: `model.attention`), `+vpu` (that
-kernel with its arithmetic on the vector unit: `decode_attention.FORM`; implies `+attn=pallas`), e.g. `0.6b:128x128+128+profile`.
+Pallas decode kernel over the cache instead of XLA's attention: `model.attention`), e.g.
+`0.6b:128x128+128+profile`.
 
 Each configuration runs in a process of its own (one process holds the chip; one that runs out
 of memory must not take the others with it): a random bf16 model of the named shape, the
@@ -44,12 +44,10 @@ def parse_config(config: str) -> tuple[str, int, int, int, dict]:
     shape, bp = head.split(":")
     b, p = map(int, bp.split("x"))
     o = {"profile": False, "scan": False, "top_p": 1.0, "effort": 0.0, "int8": False,
-         "attn": "auto", "vpu": False}
+         "attn": "auto"}
     for opt in opts:
         if opt in ("profile", "scan", "int8"):
             o[opt] = True
-        elif opt == "vpu":
-            o["attn"], o["vpu"] = "pallas", True
         elif opt == "unroll":
             o["scan"] = False
         elif opt.startswith("topp="):
@@ -77,10 +75,6 @@ def run_one(config: str) -> dict:
 
     shape, b, p, new, o = parse_config(config)
     jax.config.update("jax_exec_time_optimization_effort", o["effort"])
-    if o["vpu"]:
-        from posttrain.models import decode_attention
-
-        decode_attention.FORM = "vpu"
     sw = dict(scan_layers=o["scan"], compute_dtype="bfloat16", param_dtype="bfloat16",
               attention=o["attn"])
     spec = SHAPES[shape]
@@ -124,7 +118,7 @@ def run_one(config: str) -> dict:
     dev = jax.devices()[0]
     res = {"config": config, "shape": shape, "batch": b, "prompt": p, "new": new,
            "scan_layers": cfg.scan_layers, "kv_int8": o["int8"], "top_p": o["top_p"], "compile_effort": o["effort"],
-           "attention": attention_impl(cfg, 1, cached=True), "kernel_form": "vpu" if o["vpu"] else "mxu",
+           "attention": attention_impl(cfg, 1, cached=True),
            "phases": list(phases),
            "compile_s": compile_s, "generate_s": t_new, "prefill_s": t_one,
            "step_ms": step_s * 1e3, "tokens_per_s": b / step_s,
@@ -154,7 +148,7 @@ def main():
     if args.one:
         print("@@" + json.dumps(run_one(args.one)))
         return
-    configs = ("tiny:4x32+32+scan,tiny:8x32+48+topp=0.9+profile+int8+vpu" if args.dry_run
+    configs = ("tiny:4x32+32+scan,tiny:8x32+48+topp=0.9+profile+int8+attn=pallas" if args.dry_run
                else args.configs)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}

@@ -4,8 +4,7 @@ kernel (`posttrain.models.decode_attention`), per layer call, against the HBM ro
     python -m benchmarks.tpu.decode_attention [--configs 64x256,128x256,...] [--out DIR] [--dry-run]
 
 A configuration is BATCHxSLOTS with options: `+int8` (the int8 cache with its scales),
-`+rows=R+slots=S` (the kernel's block), `+vpu` (the kernel's scores and P @ V as multiply-adds
-on the vector unit instead of matmuls: `decode_attention.FORM`). The Qwen3-0.6B attention shape (8 KV heads, G = 2,
+`+rows=R+slots=S` (the kernel's block). The Qwen3-0.6B attention shape (8 KV heads, G = 2,
 head_dim 128), bf16, every slot visible, one query token per row. Each line times, in the same
 process, `layers.dot_attention` (the XLA path the engine ran before) and the kernel on the same
 arrays (medians of 20 calls of a jitted loop of 28 calls, one per layer of the 0.6B model), and
@@ -29,12 +28,10 @@ LAYERS = 28
 def parse(config: str) -> tuple[int, int, dict]:
     head, *opts = config.split("+")
     b, s = map(int, head.split("x"))
-    o = {"int8": False, "rows": None, "slots": None, "form": "mxu"}
+    o = {"int8": False, "rows": None, "slots": None}
     for opt in opts:
         if opt == "int8":
             o["int8"] = True
-        elif opt == "vpu":
-            o["form"] = "vpu"
         elif opt.startswith(("rows=", "slots=")):
             k, v = opt.split("=")
             o[k] = int(v)
@@ -71,7 +68,7 @@ def run(config: str, kh: int = 8, g: int = 2, d: int = 128, layers_n: int = LAYE
         return layers.dot_attention(q, kt, v, mask).reshape(b, kh, g, d)
 
     def kernel(q, kt, v):
-        return decode_attention(q, kt, v, bias, rows=rows, slots=slots, form=o["form"])
+        return decode_attention(q, kt, v, bias, rows=rows, slots=slots)
 
     def layered(f):  # LAYERS calls, each feeding the next (nothing hoisted or merged)
         def body(_, x):
@@ -79,7 +76,7 @@ def run(config: str, kh: int = 8, g: int = 2, d: int = 128, layers_n: int = LAYE
         return jax.jit(lambda x: jax.lax.fori_loop(0, layers_n, body, x))
 
     res = {"config": config, "batch": b, "slots": s, "int8": o["int8"], "block": [rows, slots],
-           "form": o["form"], "device": str(jax.devices()[0].device_kind)}
+           "device": str(jax.devices()[0].device_kind)}
     ref = jax.jit(xla)(q, kt, v).astype(jnp.float32)
     got = jax.jit(kernel)(qs, kt, v).astype(jnp.float32)
     res["max_abs_diff"] = float(jnp.max(jnp.abs(ref - got)))
@@ -105,12 +102,11 @@ def run(config: str, kh: int = 8, g: int = 2, d: int = 128, layers_n: int = LAYE
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default="64x256,64x256+vpu,128x256,128x256+vpu,256x256,"
-                    "256x256+vpu,256x640+int8,256x640+int8+vpu")
+    ap.add_argument("--configs", default="64x256,128x256,256x256,256x640+int8")
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (the test suite)")
     args = ap.parse_args()
-    configs = "4x256+rows=4+slots=128,4x128+int8+vpu" if args.dry_run else args.configs
+    configs = "4x256+rows=4+slots=128,4x128+int8" if args.dry_run else args.configs
     results = {"runs": []}
     for c in configs.split(","):
         try:

@@ -21,7 +21,9 @@ programs compiled per step (`compile/count`). On the TPU machine (../shared/TPU.
 made on the CPU), the run's process does. `--dry-run`: a tiny shape and workload on CPU (the
 test suite runs it so the command stays working). `--peer tunix`: then Tunix's GRPO on the same
 workload in a process of its own (`benchmarks.tpu.tunix_grpo`; needs $TUNIX_PATH, see
-../shared/TPU.md), and the ratio of its median step to ours.
+../shared/TPU.md), and the ratio of its median step to ours. Each run is bounded by `--timeout`
+seconds (a run cut short reports the steps it logged, `timed_out`), and the results are written
+after each run, so a device call that runs out of time still brings back ours.
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ def recipe(model_dir: Path, run_dir: Path, steps: int, tiny: bool) -> dict:
 def summary(run_dir: Path, prompts: int, group: int) -> dict:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r.get("time/step") is not None]
+    compiles = {"compiles_per_step": [r.get("compile/count", 0) for r in rows],
+                "compile_seconds": round(sum(r.get("compile/seconds", 0) for r in rows), 1)}
+    if not steps:
+        return {"steps_timed": 0, **compiles}
     timed = steps[WARMUP:] or steps[-1:]
     step_s = statistics.median(r["time/step"] for r in timed)
     gen = statistics.median(r.get("completion_len/mean", r.get("rollout/completion_len", 0))
@@ -90,8 +96,27 @@ def summary(run_dir: Path, prompts: int, group: int) -> dict:
                for p in PHASES if any(p in r for r in timed)},
             "completion_tokens_mean": gen,
             "generated_tokens_per_s": prompts * group * gen / step_s if gen else None,
-            "compiles_per_step": [r.get("compile/count", 0) for r in rows],
-            "compile_seconds": round(sum(r.get("compile/seconds", 0) for r in rows), 1)}
+            **compiles}
+
+
+def bounded(cmd: list[str], env: dict, timeout: float) -> tuple[int | None, str, str]:
+    """Run `cmd` for at most `timeout` seconds: (returncode, or None when cut short; stdout;
+    stderr)."""
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+                           timeout=timeout)
+        return p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        def text(b):
+            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+        return None, text(e.stdout), text(e.stderr)
+
+
+def save(res: dict, out: str | None) -> None:
+    print(json.dumps(res), flush=True)
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "grpo_step.json").write_text(json.dumps(res, indent=1))
 
 
 def tunix_peer(args, env: dict) -> dict:
@@ -100,9 +125,10 @@ def tunix_peer(args, env: dict) -> dict:
         os.environ.get("TUNIX_PATH"), env.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "benchmarks.tpu.tunix_grpo", "--steps", str(args.steps),
            *(["--tiny"] if args.dry_run else [])]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-    line = next((x for x in p.stdout.splitlines() if x.startswith("@@")), None)
-    return json.loads(line[2:]) if line else {"peer": "tunix", "error": p.stderr[-1500:]}
+    rc, out, err = bounded(cmd, env, args.timeout)
+    line = next((x for x in out.splitlines() if x.startswith("@@")), None)
+    return json.loads(line[2:]) if line else {"peer": "tunix", "timed_out": rc is None,
+                                              "error": err[-1500:]}
 
 
 def main():
@@ -112,6 +138,7 @@ def main():
     ap.add_argument("--set", action="append", default=[], help="recipe override KEY=VALUE")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (the test suite)")
     ap.add_argument("--peer", default="", choices=["", "tunix"])
+    ap.add_argument("--timeout", type=float, default=1e9, help="seconds per run (ours, the peer's)")
     args = ap.parse_args()
     os.environ["JAX_PLATFORMS"] = "cpu"  # this process makes the model; the run holds the chip
     import yaml
@@ -125,27 +152,25 @@ def main():
     if args.dry_run:
         env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    p = subprocess.run([sys.executable, "-m", "posttrain.cli", "run", str(work / "recipe.yaml"),
-                        *args.set], cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    rc, _, err = bounded([sys.executable, "-m", "posttrain.cli", "run", str(work / "recipe.yaml"),
+                          *args.set], env, args.timeout)
     g = r["grpo"]
     res = {"workload": {"prompts": g["prompts_per_step"], "group": g["group_size"],
                         "max_tokens": g["max_tokens"], "seq_len": r["data"]["seq_len"],
                         "lora_rank": r["model"].get("lora", {}).get("rank", 0),
                         "rollout": r["rollout"], "overrides": args.set},
-           "returncode": p.returncode}
+           "returncode": rc, "timed_out": rc is None}
     if (run_dir / "metrics.jsonl").exists():
         res.update(summary(run_dir, g["prompts_per_step"], g["group_size"]))
-    if p.returncode:
-        res["error"] = p.stderr[-1500:]
+    if rc != 0:
+        res["error"] = err[-1500:]
+    save(res, args.out)
     if args.peer == "tunix":
         res["tunix"] = tunix_peer(args, env)
         if "median_step_s" in res["tunix"] and "step_s" in res:
             res["ours_over_tunix"] = res["tunix"]["median_step_s"] / res["step_s"]
-    print(json.dumps(res), flush=True)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "grpo_step.json").write_text(json.dumps(res, indent=1))
-    sys.exit(1 if p.returncode else 0)
+        save(res, args.out)
+    sys.exit(1 if rc != 0 else 0)
 
 
 if __name__ == "__main__":

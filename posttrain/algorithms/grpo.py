@@ -230,21 +230,28 @@ KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
 
 def kth_largest(x, k):
     """The k-th largest value along the last axis of `x` (`k` per leading position, 1-based,
-    1 <= k <= n), without a sort: a bisection over the floats' bit patterns, mapped to unsigned
-    integers in the floats' order, that fixes one bit of the answer per pass (32 passes of a
-    compare and a count). The answer is the largest key t with at least k keys >= t: exactly an
-    element of x, the one a descending sort puts at k - 1. A `lax.top_k` over a 152k vocabulary
-    (top-p keeps an unbounded set) sorts every position; this is 32 linear passes."""
+    1 <= k <= n), without a sort (`largest_value_where`): exactly an element of x, the one a
+    descending sort puts at k - 1. A `lax.top_k` over a 152k vocabulary (top-p keeps an
+    unbounded set) sorts every position; this is 32 linear passes."""
+    k = k[..., None].astype(jnp.int32)
+    return largest_value_where(x, lambda ge: ge.sum(-1, keepdims=True, dtype=jnp.int32) >= k)
+
+
+def largest_value_where(x, enough):
+    """The largest t along the last axis of `x` (per leading position) for which
+    `enough(x >= t)` holds, `enough` mapping a [..., n] mask to [..., 1] booleans and monotone
+    (true for every t below some value, false above); it must hold for the all-true mask. A
+    bisection over the floats' bit patterns, mapped to unsigned integers in the floats' order,
+    that fixes one bit of the answer per pass (32 passes of a compare and `enough`); the answer
+    is an element of x, as `enough`'s value only changes at x's values."""
     i = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
     key = jnp.where(i >> 31 == 1, ~i, i | jnp.uint32(1 << 31))  # monotone in the float's value
-    k = k[..., None].astype(jnp.int32)
 
     def bit(j, ans):
         cand = ans | (jnp.uint32(1) << (31 - j).astype(jnp.uint32))
-        enough = (key >= cand).sum(-1, keepdims=True, dtype=jnp.int32) >= k
-        return jnp.where(enough, cand, ans)
+        return jnp.where(enough(key >= cand), cand, ans)
 
-    ans = jax.lax.fori_loop(0, 32, bit, jnp.zeros(k.shape, jnp.uint32))
+    ans = jax.lax.fori_loop(0, 32, bit, jnp.zeros(x.shape[:-1] + (1,), jnp.uint32))
     back = jnp.where(ans >> 31 == 1, ans & jnp.uint32(0x7FFFFFFF), ~ans)
     return jax.lax.bitcast_convert_type(back, jnp.float32)
 

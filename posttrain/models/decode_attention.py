@@ -14,6 +14,11 @@ The mask arrives as an additive f32 bias per (row, slot) (0 or MASK_VALUE), buil
 cache's slot positions and segments as `layers.attention_mask` does, so left padding, packed
 prompts and the ring of a row's own slots all mean what they mean on the XLA path. Off a TPU the
 kernel runs interpreted (tests).
+
+Measured on a v5e (benchmarks/tpu/decode_attention.py, BENCHMARKS.md): one layer's attention at
+64 / 128 / 256 rows x 256 slots in 120 / 212 / 392 us, XLA's in 122 / 218 / 395 us (68-84% of
+the cache's roofline for both): XLA's fusion already reads the cache near bandwidth, so this
+kernel stays opt-in (`model.attention: pallas`) and the decode step's remaining time is elsewhere.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 VMEM_BUDGET = 16 << 20  # bytes of double-buffered cache blocks (v5e: 128 MiB of VMEM)
-FORM = "mxu"  # the kernel's arithmetic: "mxu" (measured on a v5e) or "vpu" (see `_kernel`)
 
 
 def block_shape(b: int, kh: int, d: int, s: int, itemsize: int) -> tuple[int, int] | None:
@@ -41,20 +45,16 @@ def block_shape(b: int, kh: int, d: int, s: int, itemsize: int) -> tuple[int, in
     return None
 
 
-def _kernel(*refs, quantized: bool, kh: int, g: int, cdt, form: str):
+def _kernel(*refs, quantized: bool, kh: int, g: int, cdt):
     """Grid (row blocks, slot blocks); per (row, KV head) pair the G query heads' scores and
     P @ V, and the online softmax's running max, sum and output in VMEM scratch (lane-replicated
-    max and sum, as Pallas' flash attention keeps them).
-
-    `form` "mxu": two 2-D matmuls per pair in `cdt` (the queries' dtype; int8 is exact in bf16),
-    the cache as the MXU's stationary operand. "vpu": multiply-adds on the vector unit in f32,
-    queries as columns [D, G] broadcast along a key block's slots and summed over D, the
-    probabilities transposed to columns [slots, G] and summed over a value block's slots: no
-    matmul with only G rows to amortise a 128 x 128 tile load."""
+    max and sum, as Pallas' flash attention keeps them). Two 2-D matmuls per pair in `cdt` (the
+    queries' dtype; int8 is exact in bf16). A vector-unit form (f32 multiply-adds, no MXU tile
+    load for G = 2 query rows) measured 3.5-4.3x slower than this on a v5e (BENCHMARKS.md)."""
     if quantized:
-        q_ref, k_ref, v_ref, bias_ref, ks_ref, vs_ref, o_ref, m_sc, l_sc, acc_sc, *s_sc = refs
+        q_ref, k_ref, v_ref, bias_ref, ks_ref, vs_ref, o_ref, m_sc, l_sc, acc_sc = refs
     else:
-        q_ref, k_ref, v_ref, bias_ref, o_ref, m_sc, l_sc, acc_sc, *s_sc = refs
+        q_ref, k_ref, v_ref, bias_ref, o_ref, m_sc, l_sc, acc_sc = refs
     j = pl.program_id(1)
     rows = q_ref.shape[0]
 
@@ -68,16 +68,8 @@ def _kernel(*refs, quantized: bool, kh: int, g: int, cdt, form: str):
         bias = bias_ref[pl.ds(r, 1), :]  # [1, slots]
         for h in range(kh):
             i = r * kh + h
-            if form == "vpu":
-                qt = q_ref[r, h]  # [D, G] f32
-                kt = k_ref[r, h].astype(jnp.float32)  # [D, slots]
-                for gi in range(g):
-                    s_sc[0][pl.ds(gi, 1), :] = jnp.sum(kt * qt[:, gi:gi + 1], axis=0,
-                                                       keepdims=True)
-                s = s_sc[0][...]  # [G, slots]
-            else:
-                q = q_ref[r, pl.ds(h * g, g), :].astype(cdt)  # [G, D]
-                s = jnp.dot(q, k_ref[r, h].astype(cdt), preferred_element_type=jnp.float32)
+            q = q_ref[r, pl.ds(h * g, g), :].astype(cdt)  # [G, D]
+            s = jnp.dot(q, k_ref[r, h].astype(cdt), preferred_element_type=jnp.float32)
             if quantized:
                 s = s * ks_ref[r, pl.ds(h, 1), :]  # a key's scale on its column
             s = s + bias  # [G, slots]
@@ -88,16 +80,9 @@ def _kernel(*refs, quantized: bool, kh: int, g: int, cdt, form: str):
             l_new = alpha * l_prev + p.sum(-1, keepdims=True)
             if quantized:
                 p = p * vs_ref[r, pl.ds(h, 1), :]  # a value's scale on its probability
-            if form == "vpu":
-                pt = p.T  # [slots, G]
-                v = v_ref[r, h].astype(jnp.float32)  # [slots, D]
-                for gi in range(g):
-                    pv = jnp.sum(v * pt[:, gi:gi + 1], axis=0, keepdims=True)  # [1, D]
-                    acc_sc[i, pl.ds(gi, 1), :] = alpha[gi:gi + 1] * acc_sc[i, pl.ds(gi, 1), :] + pv
-            else:
-                pv = jnp.dot(p.astype(cdt), v_ref[r, h].astype(cdt),
-                             preferred_element_type=jnp.float32)  # [G, D]
-                acc_sc[i] = alpha * acc_sc[i] + pv
+            pv = jnp.dot(p.astype(cdt), v_ref[r, h].astype(cdt),
+                         preferred_element_type=jnp.float32)  # [G, D]
+            acc_sc[i] = alpha * acc_sc[i] + pv
             m_sc[i] = jnp.broadcast_to(m_new, m_sc.shape[1:])
             l_sc[i] = jnp.broadcast_to(l_new, l_sc.shape[1:])
 
@@ -109,16 +94,15 @@ def _kernel(*refs, quantized: bool, kh: int, g: int, cdt, form: str):
                 o_ref[r, pl.ds(h * g, g), :] = acc_sc[i] / l_sc[i][:, :1]
 
 
-@functools.partial(jax.jit, static_argnames=("rows", "slots", "form", "interpret"))
+@functools.partial(jax.jit, static_argnames=("rows", "slots", "interpret"))
 def decode_attention(q_bkgd, kt, v, bias_bs, *, rows: int | None = None, slots: int | None = None,
-                     form: str | None = None, interpret: bool | None = None) -> jax.Array:
+                     interpret: bool | None = None) -> jax.Array:
     """softmax(q @ K + bias) @ V for one query token per row.
 
     q_bkgd [B, K, G, D] (already scaled by 1/sqrt(D)); kt: keys [B, K, D, S] (or a QuantizedKV of
     int8 keys with scales [B, K, 1, S]); v: values [B, K, S, D] (or a QuantizedKV with scales
     [B, K, S, 1]); bias_bs [B, S] f32 (0 where a slot is visible, MASK_VALUE where not).
-    Returns [B, K, G, D] in q's dtype. `rows`/`slots`: the block (default `block_shape`);
-    `form`: "mxu" or "vpu" (default FORM; see `_kernel`).
+    Returns [B, K, G, D] in q's dtype. `rows`/`slots`: the block (default `block_shape`).
 
     Layouts at the kernel's edge keep every block's last two dims in whole (8, 128) tiles or
     whole dims (XLA and Mosaic must agree on the tiling of what crosses): queries and output as
@@ -129,15 +113,9 @@ def decode_attention(q_bkgd, kt, v, bias_bs, *, rows: int | None = None, slots: 
     s = kq.shape[-1]
     if rows is None or slots is None:
         rows, slots = block_shape(b, kh, d, s, kq.dtype.itemsize)
-    form = form or FORM
-    if form == "vpu":  # queries as columns: [B, K, D, G]
-        q_in = jnp.swapaxes(q_bkgd, -1, -2).astype(jnp.float32)
-        q_spec = pl.BlockSpec((rows, kh, d, g), lambda i, j: (i, 0, 0, 0))
-    else:
-        q_in = q_bkgd.reshape(b, kh * g, d).astype(jnp.float32)
-        q_spec = pl.BlockSpec((rows, kh * g, d), lambda i, j: (i, 0, 0))
+    q_in = q_bkgd.reshape(b, kh * g, d).astype(jnp.float32)
     in_specs = [
-        q_spec,
+        pl.BlockSpec((rows, kh * g, d), lambda i, j: (i, 0, 0)),
         pl.BlockSpec((rows, kh, d, slots), lambda i, j: (i, 0, 0, j)),
         pl.BlockSpec((rows, kh, slots, d), lambda i, j: (i, 0, j, 0)),
         pl.BlockSpec((rows, slots), lambda i, j: (i, j)),
@@ -150,15 +128,14 @@ def decode_attention(q_bkgd, kt, v, bias_bs, *, rows: int | None = None, slots: 
     if interpret is None:  # `layers.cached_decode_attention` passes it for its target
         interpret = jax.default_backend() != "tpu"
     out = pl.pallas_call(
-        functools.partial(_kernel, quantized=quantized, kh=kh, g=g, cdt=q_bkgd.dtype, form=form),
+        functools.partial(_kernel, quantized=quantized, kh=kh, g=g, cdt=q_bkgd.dtype),
         out_shape=jax.ShapeDtypeStruct((b, kh * g, d), jnp.float32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=0, grid=(b // rows, s // slots), in_specs=in_specs,
             out_specs=pl.BlockSpec((rows, kh * g, d), lambda i, j: (i, 0, 0)),
             scratch_shapes=[pltpu.VMEM((n, g, 128), jnp.float32),
                             pltpu.VMEM((n, g, 128), jnp.float32),
-                            pltpu.VMEM((n, g, d), jnp.float32)]
-            + ([pltpu.VMEM((g, slots), jnp.float32)] if form == "vpu" else [])),
+                            pltpu.VMEM((n, g, d), jnp.float32)]),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=4 * VMEM_BUDGET),
         interpret=interpret,

@@ -160,3 +160,26 @@ def test_the_two_level_search_draws_the_same_distribution():
         assert np.all(np.asarray(sampling.inverse_cdf(jax.random.key(0), lp[:4], 16)) == 289)
     finally:
         sampling.jax.random.uniform = orig
+
+
+@pytest.mark.parametrize("top_k,top_p", [(50, 1.0), (0, 0.9), (0, 0.3), (200, 0.95)])
+def test_the_cuts_without_a_sort_keep_the_sorted_prefix(top_k, top_p):
+    """Random logits over a 3,000-token vocabulary at temperature 0.7: the kept set of
+    `process_logits` (value cuts found by bisection, no sort) is exactly the textbook one, the k
+    largest and then the smallest prefix of the sorted tokens whose float64 mass reaches top_p
+    (no cumulative sum lands within 1e-6 of top_p at this seed, so fp32 rounding cannot move the
+    boundary)."""
+    from rollout.sampling import NEG, process_logits
+
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(16, 3000)) * 3).astype(np.float32)
+    got = np.asarray(process_logits(jnp.asarray(x), 0.7, top_k, top_p) > NEG / 2)
+    for row, kept in zip(x.astype(np.float64) / np.float32(0.7), got):
+        order = np.argsort(-row)
+        keep = order[: top_k or len(row)]
+        p = np.exp(row[keep] - row[keep].max())
+        cum_before = np.cumsum(p / p.sum()) - p / p.sum()
+        assert np.abs(cum_before - top_p).min() > 1e-6
+        want = np.zeros(len(row), bool)
+        want[keep[cum_before < top_p]] = True
+        assert np.array_equal(kept, want)
