@@ -99,7 +99,7 @@ def summary(run_dir: Path, prompts: int, group: int) -> dict:
             **compiles}
 
 
-def bounded(cmd: list[str], env: dict, timeout: float) -> tuple[int | None, str, str]:
+def bounded(cmd: list[str], env: dict, timeout: float | None) -> tuple[int | None, str, str]:
     """Run `cmd` for at most `timeout` seconds: (returncode, or None when cut short; stdout;
     stderr)."""
     try:
@@ -138,7 +138,7 @@ def main():
     ap.add_argument("--set", action="append", default=[], help="recipe override KEY=VALUE")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (the test suite)")
     ap.add_argument("--peer", default="", choices=["", "tunix"])
-    ap.add_argument("--timeout", type=float, default=1e9, help="seconds per run (ours, the peer's)")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds per run (ours, the peer's)")
     args = ap.parse_args()
     os.environ["JAX_PLATFORMS"] = "cpu"  # this process makes the model; the run holds the chip
     import yaml
