@@ -1,0 +1,119 @@
+"""How long XLA takes to compile the JAX engine's decode program for a TPU v5e, on this CPU.
+
+    python -m benchmarks.tpu.decode_compile [--configs 0.6b:64x32+256+int8,...] [--out DIR]
+
+No chip needed: libtpu (installed aside by `make install`, `posttrain.plan.libtpu_path`)
+compiles for a v5e-1 topology here, as `posttrain plan --topology` does, and the compile is the
+host's work on the TPU machine too (110 s there for what takes ~100 s here). A configuration is
+SHAPE:BATCHxPROMPT+NEW with options `+int8` (the int8 KV cache), `+scan` (the scanned layers'
+program; default: unrolled, as the engine decodes), `+phases=N` (`rollout.decode_phases`,
+default 4), `+layers=L` (fewer layers of the shape: how the compile grows with depth). Each
+configuration lowers and compiles `rollout.jax_engine._generate` once, with abstract bf16
+weights, in a process of its own (libtpu's compile holds its memory), and reports lower and
+compile seconds and XLA's temporaries. The runtime of a program is the chip's to measure
+(`benchmarks.tpu.decode`); this measures what a cold run waits before its first rollout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.tpu.train_step import SHAPES, save_results
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse(config: str) -> tuple[str, int, int, int, dict]:
+    head, new, *opts = config.split("+")
+    shape, bp = head.split(":")
+    b, p = map(int, bp.split("x"))
+    o = {"int8": False, "scan": False, "phases": 4, "layers": None}
+    for opt in opts:
+        if opt in ("int8", "scan"):
+            o[opt] = True
+        elif opt.startswith(("phases=", "layers=")):
+            k, v = opt.split("=")
+            o[k] = int(v)
+        else:
+            raise SystemExit(f"{config}: unknown option {opt}")
+    return shape, b, p, int(new), o
+
+
+def run_one(config: str) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import SingleDeviceSharding
+
+    from posttrain.models import CausalLM
+    from posttrain.models.config import ModelConfig
+    from posttrain.models.layers import building_for
+    from posttrain.plan import target_devices
+    from rollout.jax_engine import _generate, phase_ends
+
+    shape, b, p, new, o = parse(config)
+    sw = dict(scan_layers=o["scan"], compute_dtype="bfloat16", param_dtype="bfloat16")
+    if o["layers"]:
+        sw["num_hidden_layers"] = o["layers"]
+    spec = SHAPES[shape]
+    cfg = ModelConfig.preset(spec, **sw) if isinstance(spec, str) else ModelConfig(**spec, **sw)
+    sh = SingleDeviceSharding(target_devices("v5e-1", None)[0])
+
+    def abstract(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+
+    with building_for("tpu", 1):
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, nnx.Rngs(0))))
+        state = jax.tree.map(lambda v: abstract(v.shape, v.dtype), state)
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        phases = phase_ends(new, o["phases"])
+        t0 = time.perf_counter()
+        lowered = _generate.lower(
+            graphdef, state, abstract((b, p), jnp.int32), abstract((b,), jnp.int32),
+            abstract(key.shape, key.dtype), abstract((), jnp.float32), abstract((), jnp.int32),
+            abstract((), jnp.float32), abstract((), jnp.bool_), abstract((), jnp.int32),
+            abstract((4,), jnp.int32), gen_len=new, group=1, phases=phases, kv_int8=o["int8"])
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+        t2 = time.perf_counter()
+    return {"config": config, "layers": cfg.num_hidden_layers, "scan_layers": o["scan"],
+            "phases": list(phases), "kv_int8": o["int8"], "lower_s": t1 - t0,
+            "compile_s": t2 - t1, "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+
+
+def main():
+    from posttrain.plan import libtpu_path
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default="0.6b:64x32+256+int8,0.6b:64x32+256+int8+scan,"
+                    "0.6b:64x32+256+int8+phases=1,0.6b:128x128+128,0.6b:128x128+128+layers=4")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one configuration
+    args = ap.parse_args()
+    if args.one:
+        print("@@" + json.dumps(run_one(args.one)))
+        return
+    lib = libtpu_path()
+    if lib is None:
+        raise SystemExit("libtpu is not installed (make install puts it in .venv/libtpu)")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **({} if lib == "libtpu" else {"TPU_LIBRARY_PATH": lib}),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    results = {"runs": []}
+    for c in args.configs.split(","):
+        p = subprocess.run([sys.executable, "-m", "benchmarks.tpu.decode_compile", "--one", c],
+                           cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+        line = next((x for x in p.stdout.splitlines() if x.startswith("@@")), None)
+        res = json.loads(line[2:]) if line else {"config": c, "error": p.stderr[-1500:]}
+        results["runs"].append(res)
+        print(json.dumps(res), flush=True)
+        save_results(args.out, "decode_compile.json", results)
+
+
+if __name__ == "__main__":
+    main()
