@@ -7,7 +7,8 @@ compiles for a v5e-1 topology here, as `posttrain plan --topology` does, and the
 host's work on the TPU machine too (110 s there for what takes ~100 s here). A configuration is
 SHAPE:BATCHxPROMPT+NEW with options `+int8` (the int8 KV cache), `+scan` (the scanned layers'
 program; default: unrolled, as the engine decodes), `+phases=N` (`rollout.decode_phases`,
-default 4), `+layers=L` (fewer layers of the shape: how the compile grows with depth). Each
+default 4), `+attn=pallas` (the Pallas decode kernel: `model.attention`; with `+scan` it reads
+each layer of the stacked cache in place), `+layers=L` (fewer layers of the shape: how the compile grows with depth). Each
 configuration lowers and compiles `rollout.jax_engine._generate` once, with abstract bf16
 weights, in a process of its own (libtpu's compile holds its memory), and reports lower and
 compile seconds and XLA's temporaries. The runtime of a program is the chip's to measure
@@ -33,13 +34,15 @@ def parse(config: str) -> tuple[str, int, int, int, dict]:
     head, new, *opts = config.split("+")
     shape, bp = head.split(":")
     b, p = map(int, bp.split("x"))
-    o = {"int8": False, "scan": False, "phases": 4, "layers": None}
+    o = {"int8": False, "scan": False, "phases": 4, "layers": None, "attn": "auto"}
     for opt in opts:
         if opt in ("int8", "scan"):
             o[opt] = True
         elif opt.startswith(("phases=", "layers=")):
             k, v = opt.split("=")
             o[k] = int(v)
+        elif opt.startswith("attn="):
+            o["attn"] = opt[5:]
         else:
             raise SystemExit(f"{config}: unknown option {opt}")
     return shape, b, p, int(new), o
@@ -58,7 +61,8 @@ def run_one(config: str) -> dict:
     from rollout.jax_engine import _generate, phase_ends
 
     shape, b, p, new, o = parse(config)
-    sw = dict(scan_layers=o["scan"], compute_dtype="bfloat16", param_dtype="bfloat16")
+    sw = dict(scan_layers=o["scan"], compute_dtype="bfloat16", param_dtype="bfloat16",
+              attention=o["attn"])
     if o["layers"]:
         sw["num_hidden_layers"] = o["layers"]
     spec = SHAPES[shape]
@@ -83,7 +87,7 @@ def run_one(config: str) -> dict:
         compiled = lowered.compile()
         t2 = time.perf_counter()
     return {"config": config, "layers": cfg.num_hidden_layers, "scan_layers": o["scan"],
-            "phases": list(phases), "kv_int8": o["int8"], "lower_s": t1 - t0,
+            "phases": list(phases), "kv_int8": o["int8"], "attention": o["attn"], "lower_s": t1 - t0,
             "compile_s": t2 - t1, "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
 
 

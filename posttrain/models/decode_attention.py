@@ -51,10 +51,10 @@ def _kernel(*refs, quantized: bool, kh: int, g: int, cdt):
     max and sum, as Pallas' flash attention keeps them). Two 2-D matmuls per pair in `cdt` (the
     queries' dtype; int8 is exact in bf16). A vector-unit form (f32 multiply-adds, no MXU tile
     load for G = 2 query rows) measured 3.5-4.3x slower than this on a v5e (BENCHMARKS.md)."""
-    if quantized:
-        q_ref, k_ref, v_ref, bias_ref, ks_ref, vs_ref, o_ref, m_sc, l_sc, acc_sc = refs
+    if quantized:  # the first ref: the layer index, used by the index maps only
+        _, q_ref, k_ref, v_ref, bias_ref, ks_ref, vs_ref, o_ref, m_sc, l_sc, acc_sc = refs
     else:
-        q_ref, k_ref, v_ref, bias_ref, o_ref, m_sc, l_sc, acc_sc = refs
+        _, q_ref, k_ref, v_ref, bias_ref, o_ref, m_sc, l_sc, acc_sc = refs
     j = pl.program_id(1)
     rows = q_ref.shape[0]
 
@@ -95,14 +95,19 @@ def _kernel(*refs, quantized: bool, kh: int, g: int, cdt):
 
 
 @functools.partial(jax.jit, static_argnames=("rows", "slots", "interpret"))
-def decode_attention(q_bkgd, kt, v, bias_bs, *, rows: int | None = None, slots: int | None = None,
-                     interpret: bool | None = None) -> jax.Array:
+def decode_attention(q_bkgd, kt, v, bias_bs, layer=None, *, rows: int | None = None,
+                     slots: int | None = None, interpret: bool | None = None) -> jax.Array:
     """softmax(q @ K + bias) @ V for one query token per row.
 
     q_bkgd [B, K, G, D] (already scaled by 1/sqrt(D)); kt: keys [B, K, D, S] (or a QuantizedKV of
     int8 keys with scales [B, K, 1, S]); v: values [B, K, S, D] (or a QuantizedKV with scales
     [B, K, S, 1]); bias_bs [B, S] f32 (0 where a slot is visible, MASK_VALUE where not).
     Returns [B, K, G, D] in q's dtype. `rows`/`slots`: the block (default `block_shape`).
+    `layer`: None, or a scanned model's stacked cache ([L, B, K, D, S] keys, [L, B, K, S, D]
+    values) and the index of the layer to read, a traced scalar: the kernel's blocks are taken
+    from that layer in place (prefetched into SMEM for the index maps), where slicing the layer
+    out first copies it (the scanned decode's 24% on a v5e, BENCHMARKS.md); an int8 cache's
+    scales (1/D of its bytes) are sliced.
 
     Layouts at the kernel's edge keep every block's last two dims in whole (8, 128) tiles or
     whole dims (XLA and Mosaic must agree on the tiling of what crosses): queries and output as
@@ -110,20 +115,26 @@ def decode_attention(q_bkgd, kt, v, bias_bs, *, rows: int | None = None, slots: 
     quantized = hasattr(kt, "scale")  # a `layers.QuantizedKV` (int8 values, f32 scales)
     b, kh, g, d = q_bkgd.shape
     kq, vq = (kt.q, v.q) if quantized else (kt, v)
+    if layer is None:  # one layer's buffers: a stack of one (a free reshape)
+        kq, vq, layer = kq[None], vq[None], 0
+        ks, vs = (kt.scale, v.scale) if quantized else (None, None)
+    elif quantized:  # this layer's scales alone (1/D of its bytes); its int8 values in place
+        ks, vs = (jax.lax.dynamic_index_in_dim(x.scale, layer, 0, keepdims=False) for x in (kt, v))
     s = kq.shape[-1]
     if rows is None or slots is None:
         rows, slots = block_shape(b, kh, d, s, kq.dtype.itemsize)
     q_in = q_bkgd.reshape(b, kh * g, d).astype(jnp.float32)
+    sq = pl.Squeezed()
     in_specs = [
-        pl.BlockSpec((rows, kh * g, d), lambda i, j: (i, 0, 0)),
-        pl.BlockSpec((rows, kh, d, slots), lambda i, j: (i, 0, 0, j)),
-        pl.BlockSpec((rows, kh, slots, d), lambda i, j: (i, 0, j, 0)),
-        pl.BlockSpec((rows, slots), lambda i, j: (i, j)),
+        pl.BlockSpec((rows, kh * g, d), lambda i, j, l: (i, 0, 0)),
+        pl.BlockSpec((sq, rows, kh, d, slots), lambda i, j, l: (l[0], i, 0, 0, j)),
+        pl.BlockSpec((sq, rows, kh, slots, d), lambda i, j, l: (l[0], i, 0, j, 0)),
+        pl.BlockSpec((rows, slots), lambda i, j, l: (i, j)),
     ]
     args = [q_in, kq, vq, bias_bs.astype(jnp.float32)]
     if quantized:
-        in_specs += [pl.BlockSpec((rows, kh, slots), lambda i, j: (i, 0, j))] * 2
-        args += [kt.scale.reshape(b, kh, s), v.scale.reshape(b, kh, s)]
+        in_specs += [pl.BlockSpec((rows, kh, slots), lambda i, j, l: (i, 0, j))] * 2
+        args += [ks.reshape(b, kh, s), vs.reshape(b, kh, s)]
     n = rows * kh
     if interpret is None:  # `layers.cached_decode_attention` passes it for its target
         interpret = jax.default_backend() != "tpu"
@@ -131,13 +142,13 @@ def decode_attention(q_bkgd, kt, v, bias_bs, *, rows: int | None = None, slots: 
         functools.partial(_kernel, quantized=quantized, kh=kh, g=g, cdt=q_bkgd.dtype),
         out_shape=jax.ShapeDtypeStruct((b, kh * g, d), jnp.float32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=0, grid=(b // rows, s // slots), in_specs=in_specs,
-            out_specs=pl.BlockSpec((rows, kh * g, d), lambda i, j: (i, 0, 0)),
+            num_scalar_prefetch=1, grid=(b // rows, s // slots), in_specs=in_specs,
+            out_specs=pl.BlockSpec((rows, kh * g, d), lambda i, j, l: (i, 0, 0)),
             scratch_shapes=[pltpu.VMEM((n, g, 128), jnp.float32),
                             pltpu.VMEM((n, g, 128), jnp.float32),
                             pltpu.VMEM((n, g, d), jnp.float32)]),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=4 * VMEM_BUDGET),
         interpret=interpret,
-    )(*args)
+    )(jnp.asarray(layer, jnp.int32).reshape(1), *args)
     return out.reshape(b, kh, g, d).astype(q_bkgd.dtype)

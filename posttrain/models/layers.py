@@ -276,20 +276,21 @@ def attention_impl(cfg: ModelConfig, t: int, cached: bool) -> str:
     return "xla" if cfg.attention == "xla" else "splash"
 
 
-def cached_decode_attention(q_bthd, kt_bkds, v_bksd, mask_bts) -> jax.Array | None:
+def cached_decode_attention(q_bthd, kt_bkds, v_bksd, mask_bts, layer=None) -> jax.Array | None:
     """One decode step's attention (T = 1) with the Pallas kernel
     (`posttrain.models.decode_attention`), or None where no block of the cache fits its VMEM
-    budget (the caller runs `dot_attention`)."""
+    budget (the caller runs `dot_attention`). `layer`: None, or the cache is a scanned model's
+    stack of every layer's ([L, B, K, D, S] keys) and the kernel reads this layer's in place."""
     from posttrain.models.decode_attention import block_shape, decode_attention
 
     b, t, h, d = q_bthd.shape
     k_data = kt_bkds.q if isinstance(kt_bkds, QuantizedKV) else kt_bkds
-    kh, s = k_data.shape[1], k_data.shape[-1]
+    kh, s = k_data.shape[-3], k_data.shape[-1]
     if t != 1 or block_shape(b, kh, d, s, k_data.dtype.itemsize) is None:
         return None
     q = (q_bthd * (1 / math.sqrt(d))).astype(q_bthd.dtype).reshape(b, kh, h // kh, d)
     bias = jnp.where(mask_bts[:, 0], 0.0, MASK_VALUE).astype(jnp.float32)
-    return decode_attention(q, kt_bkds, v_bksd, bias,
+    return decode_attention(q, kt_bkds, v_bksd, bias, layer,
                             interpret=target()[0] != "tpu").reshape(b, 1, h * d)
 
 
@@ -384,16 +385,19 @@ class Attention(nnx.Module):
                 k_at, v_at = (kv.layer, 0, 0, 0, kv.start), (kv.layer, 0, 0, kv.start, 0)
                 k_all = write_kv(kv.k, k[None], k_at, -2)
                 v_all = write_kv(kv.v, v[None], v_at, -1)
-                keys, values = jax.tree.map(
-                    lambda a: jax.lax.dynamic_index_in_dim(a, kv.layer, 0, keepdims=False),
-                    (k_all, v_all))
                 new_kv = (k_all, v_all)
             k_pos, k_seg = kv.pos, kv.seg
         mask = attention_mask(pos_bt, seg_bt, k_pos, k_seg)
-        if not isinstance(keys, QuantizedKV):
-            keys, values = keys.astype(q.dtype), values.astype(q.dtype)
-        out = cached_decode_attention(q, keys, values, mask) if impl == "decode" else None
+        out = None
+        if impl == "decode":  # cached: the kernel reads a stacked cache's layer in place
+            out = cached_decode_attention(q, *new_kv, mask, kv.layer)
         if out is None:
+            if kv is not None and kv.layer is not None:  # this layer's slice of the stack
+                keys, values = jax.tree.map(
+                    lambda a: jax.lax.dynamic_index_in_dim(a, kv.layer, 0, keepdims=False),
+                    new_kv)
+            if not isinstance(keys, QuantizedKV):
+                keys, values = keys.astype(q.dtype), values.astype(q.dtype)
             out = dot_attention(q, keys, values, mask)
         out = dense(self.o_proj, out)
         return checkpoint_name(out, "out_proj"), new_kv

@@ -123,5 +123,10 @@ def test_the_decode_kernel_equals_xla_attention_over_a_cache(int8):
         kt, v = quantize_kv(kt, -2), quantize_kv(v, -1)
     want = dot_attention(q, kt, v, mask)
     qs = (q / np.sqrt(d)).reshape(b, kh, g, d)
-    got = decode_attention(qs, kt, v, jnp.where(visible, 0.0, MASK_VALUE), rows=8, slots=128)
+    bias = jnp.where(visible, 0.0, MASK_VALUE)
+    got = decode_attention(qs, kt, v, bias, rows=8, slots=128)
     np.testing.assert_allclose(np.asarray(got).reshape(want.shape), np.asarray(want), atol=2e-6)
+    # a scanned model's stacked cache, read at layer 1 in place: the same as that layer alone
+    kt3, v3 = (jax.tree.map(lambda a: jnp.stack([a * 0.5, a, a * 2.0]), x) for x in (kt, v))
+    got3 = decode_attention(qs, kt3, v3, bias, jnp.int32(1), rows=8, slots=128)
+    np.testing.assert_array_equal(np.asarray(got3), np.asarray(got))

@@ -434,7 +434,8 @@ def test_the_pallas_decode_kernel_draws_what_xla_draws(setup):
     """`model.attention: pallas` (splash and the Pallas decode kernel) decodes with
     `decode_attention` over the KV cache, interpreted here: the same tokens and kept counts as
     XLA's attention and log-probs within 1e-5 (fp32 summation order), with the fp32 cache and
-    with the int8 one, over prompts of mixed lengths (left padding masked per row). One
+    with the int8 one, over prompts of mixed lengths (left padding masked per row), and for a
+    scanned model decoded as a scan (the kernel reading each layer of the stacked cache). One
     architecture: the kernel sees only queries and the cache, which Llama's forward makes as
     Qwen3's does (the suite's time)."""
     d, _, tok, _ = setup
@@ -446,10 +447,14 @@ def test_the_pallas_decode_kernel_draws_what_xla_draws(setup):
     prompts = [rng.integers(3, xla.cfg.vocab_size, int(rng.integers(2, 30))).tolist()
                for _ in range(5)]
     sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, n=2, seed=7)
+    scanned = from_pretrained(d, attention="pallas", scan_layers=True)
     for kv in ("auto", "int8"):
         a = JaxEngine(xla, tok, kv_cache_dtype=kv).generate(prompts, sp)
         b = JaxEngine(kern, tok, kv_cache_dtype=kv).generate(prompts, sp)
         assert_same_samples(xla, a, b, sp)
+        # a scanned model decoded as a scan: the kernel reads each layer of the stacked cache
+        c = JaxEngine(scanned, tok, kv_cache_dtype=kv, unroll_layers=False).generate(prompts, sp)
+        assert_same_samples(xla, a, c, sp)
 
 
 def test_max_rows_splits_a_request_into_calls_of_one_program(setup):
