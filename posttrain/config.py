@@ -416,7 +416,10 @@ class RolloutSection(Strict):
                                 "layers decodes as its unrolled twin (weights unstacked on each "
                                 "sync), whose layers read their KV buffers in place: 1.5x the "
                                 "decode steps of the scan on a TPU v5e (0.6B shape, batch 64), "
-                                "for a longer first compile")
+                                "for a longer first compile (86 s against 16 s for a v5e at the "
+                                "0.6B GRPO recipe's shape). False with model.attention: pallas: "
+                                "the scan's decode kernel reads each layer of the stacked cache "
+                                "in place (no slice copied per layer; not yet timed on a chip)")
     max_rows: int = Field(0, ge=0, description="JAX engine: at most this many sampled "
                           "sequences (prompts x group_size) per decode program, the rest in "
                           "further calls of the same program: the KV cache is this many rows' "

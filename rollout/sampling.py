@@ -79,11 +79,17 @@ def inverse_cdf(key, logprobs_bv: jax.Array, block: int = 1024) -> jax.Array:
     the draw stays below the total (u * total may round up to it), the block found is one whose
     sum is positive, and a draw past the block's own rounded total lands on its last token with
     mass."""
+    return _inverse_cdf(key, logprobs_bv, block)[0]
+
+
+def _inverse_cdf(key, logprobs_bv: jax.Array, block: int = 1024) -> tuple[jax.Array, jax.Array]:
+    """`inverse_cdf`'s draw and each row's total weight sum(exp(logprobs)) [B], which the
+    draw forms anyway (the caller's logsumexp without another pass over [B, V])."""
     b, v = logprobs_bv.shape
     p = jnp.exp(logprobs_bv)
     if v <= 2 * block:  # one level: the row's own cumulative sum bounds the draw
         cdf = jnp.cumsum(p, axis=-1)
-        return jnp.sum(cdf <= _draw(key, cdf[:, -1:]), axis=-1).astype(jnp.int32)
+        return jnp.sum(cdf <= _draw(key, cdf[:, -1:]), axis=-1).astype(jnp.int32), cdf[:, -1]
     nb = -(-v // block)
     p3 = jnp.pad(p, ((0, 0), (0, nb * block - v))).reshape(b, nb, block)
     sums = p3.sum(-1)  # [B, nb]
@@ -92,7 +98,7 @@ def inverse_cdf(key, logprobs_bv: jax.Array, block: int = 1024) -> jax.Array:
     blk = jnp.minimum(jnp.sum(csum <= u, axis=-1), nb - 1)  # csum[blk - 1] <= u < csum[blk]
     before = jnp.where(blk > 0, jnp.take_along_axis(csum, jnp.maximum(blk - 1, 0)[:, None], -1)[:, 0], 0.0)
     inner = jnp.take_along_axis(p3, blk[:, None, None], axis=1)[:, 0]  # [B, block]
-    return blk * block + _first_above(inner, u - before[:, None])
+    return blk * block + _first_above(inner, u - before[:, None]), csum[:, -1]
 
 
 def _draw(key, total_b1: jax.Array) -> jax.Array:
@@ -116,22 +122,31 @@ def sample(key, logits_bv: jax.Array, temperature, top_k, top_p, full=False
            ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(tokens [B], logprobs [B], kept counts [B]). Greedy when temperature == 0 (log-prob of
     the raw softmax, the whole vocabulary kept). The cuts of top-k / top-p only run when one of
-    them is active."""
+    them is active, and greedy and sampled decoding are the two branches of a `lax.cond`: a
+    sampled step's passes over [B, V] are the max and the draw's exponentials and block sums,
+    whose row totals give the log-prob's normaliser (log-sum-exp = max + log total); the full
+    softmax's normaliser is a pass of its own only when a cut made the two differ."""
     v = logits_bv.shape[-1]
     x = logits_bv.astype(jnp.float32)
-    scaled = x / jnp.maximum(temperature, 1e-6)
     filtering = (jnp.asarray(top_k) > 0) | (jnp.asarray(top_p) < 1.0)  # arrays: `~` is logical
-    processed = jax.lax.cond(filtering, lambda x: process_logits(x, temperature, top_k, top_p),
-                             lambda x: scaled, logits_bv)
-    # unnormalised log-weights: the draw scales its uniform to the row's total
-    sampled = inverse_cdf(key, processed - jnp.max(processed, axis=-1, keepdims=True))
-    is_greedy = temperature <= 0
-    tok = jnp.where(is_greedy, argmax_first(logits_bv), sampled)
 
-    def logprob(z):  # log softmax(z) at the drawn token: a gather and a logsumexp per row,
-        # never the whole [B, V] log-softmax
-        return jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(z, axis=-1)
+    def greedy(x):
+        tok = argmax_first(x)
+        lp = jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(x, axis=-1)
+        return tok, lp, jnp.full(tok.shape, v, jnp.int32)
 
-    lp = jnp.where(is_greedy, logprob(x), jnp.where(full, logprob(scaled), logprob(processed)))
-    kept = jnp.where(is_greedy | ~filtering, v, (processed > NEG / 2).sum(-1))
-    return tok, lp, kept.astype(jnp.int32)
+    def sampled(x):
+        scaled = x / jnp.maximum(temperature, 1e-6)
+        processed = jax.lax.cond(filtering, lambda z: process_logits(z, temperature, top_k, top_p),
+                                 lambda z: scaled, x)
+        m = jnp.max(processed, axis=-1, keepdims=True)
+        tok, total = _inverse_cdf(key, processed - m)  # from unnormalised weights
+        lse = m[:, 0] + jnp.log(total)
+        lse_full = jax.lax.cond(jnp.asarray(full) & filtering,
+                                lambda z: jax.nn.logsumexp(z, axis=-1), lambda z: lse, scaled)
+        z = jnp.where(full, scaled, processed)
+        lp = jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0] - jnp.where(full, lse_full, lse)
+        kept = jnp.where(filtering, (processed > NEG / 2).sum(-1), v)
+        return tok, lp, kept.astype(jnp.int32)
+
+    return jax.lax.cond(temperature <= 0, greedy, sampled, x)

@@ -21,9 +21,11 @@ programs compiled per step (`compile/count`). On the TPU machine (../shared/TPU.
 made on the CPU), the run's process does. `--dry-run`: a tiny shape and workload on CPU (the
 test suite runs it so the command stays working). `--peer tunix`: then Tunix's GRPO on the same
 workload in a process of its own (`benchmarks.tpu.tunix_grpo`; needs $TUNIX_PATH, see
-../shared/TPU.md), and the ratio of its median step to ours. Each run is bounded by `--timeout`
-seconds (a run cut short reports the steps it logged, `timed_out`), and the results are written
-after each run, so a device call that runs out of time still brings back ours.
+../shared/TPU.md), and the ratio of its median step to ours (`--peer-only`: the peer alone).
+Each run is bounded by `--timeout` seconds (a run cut short reports the steps it logged,
+`timed_out`), and the results are written after each run, so a device call that runs out of
+time still brings back ours. At the 0.6B shape ours and Tunix's do not fit one 10-minute call
+together: run them as two.
 """
 
 from __future__ import annotations
@@ -139,6 +141,8 @@ def main():
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (the test suite)")
     ap.add_argument("--peer", default="", choices=["", "tunix"])
     ap.add_argument("--timeout", type=float, default=None, help="seconds per run (ours, the peer's)")
+    ap.add_argument("--peer-only", action="store_true",
+                    help="the peer's run alone (ours in another device call)")
     args = ap.parse_args()
     os.environ["JAX_PLATFORMS"] = "cpu"  # this process makes the model; the run holds the chip
     import yaml
@@ -152,8 +156,10 @@ def main():
     if args.dry_run:
         env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    rc, _, err = bounded([sys.executable, "-m", "posttrain.cli", "run", str(work / "recipe.yaml"),
-                          *args.set], env, args.timeout)
+    rc, err = 0, ""
+    if not args.peer_only:
+        rc, _, err = bounded([sys.executable, "-m", "posttrain.cli", "run",
+                              str(work / "recipe.yaml"), *args.set], env, args.timeout)
     g = r["grpo"]
     res = {"workload": {"prompts": g["prompts_per_step"], "group": g["group_size"],
                         "max_tokens": g["max_tokens"], "seq_len": r["data"]["seq_len"],
