@@ -38,7 +38,8 @@ def process_logits(logits_bv: jax.Array, temperature, top_k, top_p) -> jax.Array
     b, v = x.shape
     none = jnp.full((b, 1), -jnp.inf, jnp.float32)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-    kth = jax.lax.cond(k < v, lambda x: kth_largest(x, jnp.broadcast_to(k, (b,))), lambda x: none, x)
+    kth = jax.lax.cond(k < v, lambda x: kth_largest(x, jnp.broadcast_to(k, (b,))),
+                       lambda x: none, x)
     x = jnp.where(x >= kth, x, NEG)
     e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))  # 0 where cut
     need = top_p * e.sum(-1, keepdims=True)
@@ -61,7 +62,7 @@ def argmax_first(x_bv: jax.Array) -> jax.Array:
     return jnp.minimum(jnp.min(jnp.where(hit, iota, v), axis=-1), v - 1)
 
 
-def inverse_cdf(key, logprobs_bv: jax.Array, block: int = 1024) -> jax.Array:
+def inverse_cdf(key, logprobs_bv: jax.Array, block: int = 128) -> jax.Array:
     """One draw per row from softmax(logprobs): the first token whose cumulative probability
     exceeds a uniform draw scaled to the row's total. One random number per row where
     `jax.random.categorical` (Gumbel-max) needs one per vocabulary entry: on CPU the threefry
@@ -69,11 +70,12 @@ def inverse_cdf(key, logprobs_bv: jax.Array, block: int = 1024) -> jax.Array:
     0.62 vs 0.38 ms per step; AVX2: 1.30 vs 0.42). The same distribution: the chi-square tests
     of tests/rollout/test_sampling.py.
 
-    A vocabulary of more than two `block`s is searched in two levels: the blocks' sums and their
-    cumulative sum find the block the draw falls in, then a cumulative sum inside that block
-    alone finds the token. One pass over [B, V] (exp and block sums) instead of a cumulative
-    sum over the whole vocabulary, which XLA:TPU runs as a log-depth scan of passes (8% of a
-    decode step at batch 64 on a v5e, BENCHMARKS.md).
+    A vocabulary of more than two `block`s (128: a TPU vector's lanes, and a divisor of padded
+    vocabularies such as Qwen3's 151,936, so no pad) is searched in two levels: the blocks'
+    sums and their cumulative sum find the block the draw falls in, then a cumulative sum
+    inside that block alone finds the token. One pass over [B, V] (exp and block sums) instead
+    of a cumulative sum over the whole vocabulary, which XLA:TPU runs as a log-depth scan of
+    passes (8% of a decode step at batch 64 on a v5e, BENCHMARKS.md).
 
     Tokens with zero probability add nothing to the cumulative sums, so they are never drawn:
     the draw stays below the total (u * total may round up to it), the block found is one whose
@@ -82,7 +84,7 @@ def inverse_cdf(key, logprobs_bv: jax.Array, block: int = 1024) -> jax.Array:
     return _inverse_cdf(key, logprobs_bv, block)[0]
 
 
-def _inverse_cdf(key, logprobs_bv: jax.Array, block: int = 1024) -> tuple[jax.Array, jax.Array]:
+def _inverse_cdf(key, logprobs_bv: jax.Array, block: int = 128) -> tuple[jax.Array, jax.Array]:
     """`inverse_cdf`'s draw and each row's total weight sum(exp(logprobs)) [B], which the
     draw forms anyway (the caller's logsumexp without another pass over [B, V])."""
     b, v = logprobs_bv.shape

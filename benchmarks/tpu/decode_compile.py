@@ -8,7 +8,10 @@ host's work on the TPU machine too (110 s there for what takes ~100 s here). A c
 SHAPE:BATCHxPROMPT+NEW with options `+int8` (the int8 KV cache), `+scan` (the scanned layers'
 program; default: unrolled, as the engine decodes), `+phases=N` (`rollout.decode_phases`,
 default 4), `+attn=pallas` (the Pallas decode kernel: `model.attention`; with `+scan` it reads
-each layer of the stacked cache in place), `+layers=L` (fewer layers of the shape: how the compile grows with depth). Each
+each layer of the stacked cache in place), `+step` (instead: one decode step, the model's
+forward of one token over a cache of PROMPT + NEW slots and the sampler at temperature 1 over
+the whole vocabulary, with XLA's count of the bytes it accesses: HBM traffic without the chip),
+`+layers=L` (fewer layers of the shape: how the compile grows with depth). Each
 configuration lowers and compiles `rollout.jax_engine._generate` once, with abstract bf16
 weights, in a process of its own (libtpu's compile holds its memory), and reports lower and
 compile seconds and XLA's temporaries. The runtime of a program is the chip's to measure
@@ -34,9 +37,9 @@ def parse(config: str) -> tuple[str, int, int, int, dict]:
     head, new, *opts = config.split("+")
     shape, bp = head.split(":")
     b, p = map(int, bp.split("x"))
-    o = {"int8": False, "scan": False, "phases": 4, "layers": None, "attn": "auto"}
+    o = {"int8": False, "scan": False, "phases": 4, "layers": None, "attn": "auto", "step": False}
     for opt in opts:
-        if opt in ("int8", "scan"):
+        if opt in ("int8", "scan", "step"):
             o[opt] = True
         elif opt.startswith(("phases=", "layers=")):
             k, v = opt.split("=")
@@ -76,11 +79,14 @@ def run_one(config: str) -> dict:
         graphdef, state = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, nnx.Rngs(0))))
         state = jax.tree.map(lambda v: abstract(v.shape, v.dtype), state)
         key = jax.eval_shape(lambda: jax.random.key(0))
+        key = abstract(key.shape, key.dtype)
+        if o["step"]:
+            return {"config": config, **step_cost(graphdef, state, cfg, b, p + new, key, abstract)}
         phases = phase_ends(new, o["phases"])
         t0 = time.perf_counter()
         lowered = _generate.lower(
             graphdef, state, abstract((b, p), jnp.int32), abstract((b,), jnp.int32),
-            abstract(key.shape, key.dtype), abstract((), jnp.float32), abstract((), jnp.int32),
+            key, abstract((), jnp.float32), abstract((), jnp.int32),
             abstract((), jnp.float32), abstract((), jnp.bool_), abstract((), jnp.int32),
             abstract((4,), jnp.int32), gen_len=new, group=1, phases=phases, kv_int8=o["int8"])
         t1 = time.perf_counter()
@@ -91,12 +97,42 @@ def run_one(config: str) -> dict:
             "compile_s": t2 - t1, "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
 
 
+def step_cost(graphdef, state, cfg, b: int, slots: int, key, abstract) -> dict:
+    """One decode step (a token per row through the model over a cache of `slots`, then the
+    sampler) compiled for the target: seconds and XLA's bytes accessed and FLOPs."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from posttrain.models.transformer import KVCache
+    from rollout.sampling import sample
+
+    cache = jax.tree.map(lambda v: abstract(v.shape, v.dtype),
+                         jax.eval_shape(lambda: KVCache.init(cfg, b, slots)))
+
+    def step(state, cache, tok, key):
+        model = nnx.merge(graphdef, state)
+        logits, cache = model(tok[:, None], jnp.full((b, 1), slots // 2, jnp.int32),
+                              jnp.ones((b, 1), jnp.int32), cache=cache)
+        return sample(key, logits[:, 0], jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0),
+                      jnp.bool_(False)), cache
+
+    t0 = time.perf_counter()
+    compiled = jax.jit(step, donate_argnums=1).lower(
+        state, cache, abstract((b,), jnp.int32), key).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return {"layers": cfg.num_hidden_layers, "step_compile_s": time.perf_counter() - t0,
+            "step_bytes_accessed": cost["bytes accessed"], "step_flops": cost["flops"]}
+
+
 def main():
     from posttrain.plan import libtpu_path
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="0.6b:64x32+256+int8,0.6b:64x32+256+int8+scan,"
-                    "0.6b:64x32+256+int8+phases=1,0.6b:128x128+128,0.6b:128x128+128+layers=4")
+                    "0.6b:64x32+256+int8+phases=1,0.6b:128x128+128,0.6b:128x128+128+layers=4,"
+                    "0.6b:128x128+128+step+layers=1")
     ap.add_argument("--out", default=None)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one configuration
     args = ap.parse_args()
