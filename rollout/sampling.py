@@ -146,8 +146,9 @@ def sample(key, logits_bv: jax.Array, temperature, top_k, top_p, full=False
         lse = m[:, 0] + jnp.log(total)
         lse_full = jax.lax.cond(jnp.asarray(full) & filtering,
                                 lambda z: jax.nn.logsumexp(z, axis=-1), lambda z: lse, scaled)
-        z = jnp.where(full, scaled, processed)
-        lp = jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0] - jnp.where(full, lse_full, lse)
+        # the drawn token was kept, so its processed logit is its scaled one
+        at = jnp.take_along_axis(scaled, tok[:, None], axis=-1)[:, 0]
+        lp = at - jnp.where(full, lse_full, lse)
         kept = jnp.where(filtering, (processed > NEG / 2).sum(-1), v)
         return tok, lp, kept.astype(jnp.int32)
 

@@ -67,9 +67,8 @@ def run_one(config: str) -> dict:
     import numpy as np
     from flax import nnx
 
-    from benchmarks.tpu.train_step import SHAPES
+    from benchmarks.tpu.train_step import shape_config
     from posttrain.models import CausalLM
-    from posttrain.models.config import ModelConfig
     from posttrain.models.layers import attention_impl
     from rollout.jax_engine import DECODE_PHASES, _generate, phase_ends
 
@@ -77,8 +76,7 @@ def run_one(config: str) -> dict:
     jax.config.update("jax_exec_time_optimization_effort", o["effort"])
     sw = dict(scan_layers=o["scan"], compute_dtype="bfloat16", param_dtype="bfloat16",
               attention=o["attn"])
-    spec = SHAPES[shape]
-    cfg = ModelConfig.preset(spec, **sw) if isinstance(spec, str) else ModelConfig(**spec, **sw)
+    cfg = shape_config(shape, **sw)
     abstract = nnx.eval_shape(lambda: CausalLM(cfg, nnx.Rngs(0)))
     state = jax.jit(lambda: nnx.state(CausalLM(cfg, nnx.Rngs(0))))()
     graphdef = nnx.graphdef(abstract)

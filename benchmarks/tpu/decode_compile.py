@@ -5,13 +5,13 @@
 No chip needed: libtpu (installed aside by `make install`, `posttrain.plan.libtpu_path`)
 compiles for a v5e-1 topology here, as `posttrain plan --topology` does, and the compile is the
 host's work on the TPU machine too (110 s there for what takes ~100 s here). A configuration is
-SHAPE:BATCHxPROMPT+NEW with options `+int8` (the int8 KV cache), `+scan` (the scanned layers'
-program; default: unrolled, as the engine decodes), `+phases=N` (`rollout.decode_phases`,
-default 4), `+attn=pallas` (the Pallas decode kernel: `model.attention`; with `+scan` it reads
-each layer of the stacked cache in place), `+step` (instead: one decode step, the model's
-forward of one token over a cache of PROMPT + NEW slots and the sampler at temperature 1 over
-the whole vocabulary, with XLA's count of the bytes it accesses: HBM traffic without the chip),
-`+layers=L` (fewer layers of the shape: how the compile grows with depth). Each
+SHAPE:BATCHxPROMPT+NEW with `benchmarks.tpu.decode`'s options (`+effort=X`, `+int8`, `+scan`
+for the scanned layers' program, default unrolled as the engine decodes; `+attn=pallas`, the
+Pallas decode kernel, which with `+scan` reads each layer of the stacked cache in place) and
+`+phases=N` (`rollout.decode_phases`, default 4), `+layers=L` (fewer layers of the shape: how
+the compile grows with depth), `+step` (instead: one decode step, the model's forward of one
+token over a cache of PROMPT + NEW slots and the sampler at temperature 1 over the whole
+vocabulary, with XLA's count of the bytes it accesses: HBM traffic without the chip). Each
 configuration lowers and compiles `rollout.jax_engine._generate` once, with abstract bf16
 weights, in a process of its own (libtpu's compile holds its memory), and reports lower and
 compile seconds and XLA's temporaries. The runtime of a program is the chip's to measure
@@ -28,27 +28,28 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.tpu.train_step import SHAPES, save_results
+from benchmarks.tpu.decode import parse_config
+from benchmarks.tpu.train_step import save_results, shape_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse(config: str) -> tuple[str, int, int, int, dict]:
-    head, new, *opts = config.split("+")
-    shape, bp = head.split(":")
-    b, p = map(int, bp.split("x"))
-    o = {"int8": False, "scan": False, "phases": 4, "layers": None, "attn": "auto", "step": False}
+    """`benchmarks.tpu.decode`'s configuration, plus `+phases=N`, `+layers=L` and `+step`."""
+    head, *opts = config.split("+")
+    own, rest = {"phases": 4, "layers": None, "step": False}, []
     for opt in opts:
-        if opt in ("int8", "scan", "step"):
-            o[opt] = True
+        if opt == "step":
+            own["step"] = True
         elif opt.startswith(("phases=", "layers=")):
             k, v = opt.split("=")
-            o[k] = int(v)
-        elif opt.startswith("attn="):
-            o["attn"] = opt[5:]
+            own[k] = int(v)
         else:
-            raise SystemExit(f"{config}: unknown option {opt}")
-    return shape, b, p, int(new), o
+            rest.append(opt)
+    shape, b, p, new, o = parse_config("+".join([head, *rest]))
+    if o["profile"] or o["top_p"] != 1.0:
+        raise SystemExit(f"{config}: +profile and +topp= need the chip (benchmarks.tpu.decode)")
+    return shape, b, p, new, {**o, **own}
 
 
 def run_one(config: str) -> dict:
@@ -58,18 +59,17 @@ def run_one(config: str) -> dict:
     from jax.sharding import SingleDeviceSharding
 
     from posttrain.models import CausalLM
-    from posttrain.models.config import ModelConfig
     from posttrain.models.layers import building_for
     from posttrain.plan import target_devices
     from rollout.jax_engine import _generate, phase_ends
 
     shape, b, p, new, o = parse(config)
+    jax.config.update("jax_exec_time_optimization_effort", o["effort"])
     sw = dict(scan_layers=o["scan"], compute_dtype="bfloat16", param_dtype="bfloat16",
               attention=o["attn"])
     if o["layers"]:
         sw["num_hidden_layers"] = o["layers"]
-    spec = SHAPES[shape]
-    cfg = ModelConfig.preset(spec, **sw) if isinstance(spec, str) else ModelConfig(**spec, **sw)
+    cfg = shape_config(shape, **sw)
     sh = SingleDeviceSharding(target_devices("v5e-1", None)[0])
 
     def abstract(shape, dtype):

@@ -57,15 +57,20 @@ PEAK_TFLOPS = {"tpu": 197.0}  # TPU v5e, bf16 dense
 
 def model_config(shape: str, head_chunk: int, remat: str, attention: str = "auto",
                  params: str = "f32", lora: int = 0, unroll: bool = False, fused_head: bool = True):
-    from posttrain.models.config import ModelConfig
-
     sw = dict(scan_layers=not (lora or unroll), remat=remat, compute_dtype="bfloat16",
               param_dtype="bfloat16" if params == "bf16" else "float32",
               head_chunk_tokens=head_chunk, attention=attention, fused_head_loss=fused_head)
+    return shape_config(shape, **sw)
+
+
+def shape_config(shape: str, **settings):
+    """The ModelConfig of a named shape (`SHAPES`) with `settings`."""
+    from posttrain.models.config import ModelConfig
+
     spec = SHAPES[shape]
     if isinstance(spec, str):
-        return ModelConfig.preset(spec, **sw)
-    return ModelConfig(**spec, **sw)
+        return ModelConfig.preset(spec, **settings)
+    return ModelConfig(**spec, **settings)
 
 
 def parse_config(config: str, defaults: dict) -> tuple[str, int, int, dict]:
