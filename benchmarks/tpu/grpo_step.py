@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -168,8 +169,13 @@ def main():
            "returncode": rc, "timed_out": rc is None}
     if (run_dir / "metrics.jsonl").exists():
         res.update(summary(run_dir, g["prompts_per_step"], g["group_size"]))
+        if args.out:  # every logged row, for a run cut short
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            shutil.copy(run_dir / "metrics.jsonl", Path(args.out) / "grpo_step_metrics.jsonl")
     if rc != 0:
         res["error"] = err[-1500:]
+        if args.out:
+            (Path(args.out) / "grpo_step_stderr.txt").write_text(err[-200_000:])
     save(res, args.out)
     if args.peer == "tunix":
         res["tunix"] = tunix_peer(args, env)
