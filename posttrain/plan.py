@@ -435,19 +435,27 @@ def compile_train_step(cfg, mc, devices) -> dict:
     )
     from posttrain.train.step import TrainState, make_train_step, next_token_loss
 
-    if cfg.model.lora.rank:
-        raise UserError("plan: the AOT compile does not cover LoRA recipes yet (the analytical "
-                        "estimate above does)")
+    from posttrain.train.trainer import with_adapters
+
     mesh = make_mesh(cfg.mesh, devices)
     rules = cfg.mesh.rules
     t0 = time.perf_counter()
+
+    def model():  # as the trainer makes it: the adapters over the (frozen) base
+        m = CausalLM(mc, nnx.Rngs(0))
+        return with_adapters(m, cfg) if cfg.model.lora.rank else m
+
+    def placed(tree):
+        sh = state_shardings(tree, mesh, rules)
+        return jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+                            tree, sh)
+
     # kernels chosen and lowered for the target (splash on one TPU), not for this CPU
     with use_mesh(mesh, rules), building_for(devices[0].platform, len(devices)):
-        abstract = nnx.eval_shape(lambda: CausalLM(mc, nnx.Rngs(0)))
-        graphdef, params = nnx.split(abstract, nnx.Param)
-        p_sh = state_shardings(params, mesh, rules)
-        params = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
-                              params, p_sh)
+        abstract = nnx.eval_shape(model)
+        trainable = nnx.LoRAParam if cfg.model.lora.rank else nnx.Param
+        graphdef, params, frozen = nnx.split(abstract, trainable, ...)
+        params, frozen = placed(params), placed(frozen)
         steps = cfg.train.steps
         if is_rl(cfg):
             from posttrain.algorithms.grpo import make_loss_fn
@@ -460,7 +468,7 @@ def compile_train_step(cfg, mc, devices) -> dict:
         opt = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), opt,
                            opt_state_shardings(opt, params))
         rep = NamedSharding(mesh, PartitionSpec())
-        state = TrainState(params, nnx.State({}), opt,
+        state = TrainState(params, frozen, opt,
                            jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
                            jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep))
         rows, tl = rows_per_update(cfg), cfg.data.seq_len

@@ -228,7 +228,8 @@ def build_engines(cfg: RunConfig, trainer, tokenizer, run_dir: Path):
 
         return JaxEngine(trainer.policy(), tokenizer, seed=cfg.seed, copy_weights=True,
                          decode_phases=r.decode_phases, unroll_layers=r.unroll_layers,
-                         kv_cache_dtype=r.kv_cache_dtype, max_rows=r.max_rows)
+                         kv_cache_dtype=r.kv_cache_dtype, max_rows=r.max_rows,
+                         lora_scale=cfg.model.lora.scale)
     trainer.save_hf(hf_dir, lora_scale=cfg.model.lora.scale)
     tokenizer.save_pretrained(hf_dir)
     import jax

@@ -264,16 +264,18 @@ class JaxEngine:
     def __init__(self, model: CausalLM, tokenizer=None, *, eos_token_ids: Sequence[int] = (),
                  version: int = 0, seed: int = 0, copy_weights: bool = False,
                  pack_prefill: bool = True, decode_phases: int = DECODE_PHASES,
-                 unroll_layers: bool = True, kv_cache_dtype: str = "auto", max_rows: int = 0):
+                 unroll_layers: bool = True, kv_cache_dtype: str = "auto", max_rows: int = 0,
+                 lora_scale: float | None = None):
         self.graphdef, self.state = nnx.split(model)
         self.cfg = model.cfg
         # `_take(state[, into])`: the engine's own copy of a state in the layout the model was
         # given in (`_given`). A scanned model decodes as its unrolled twin (`layer_unstacker`):
-        # one KV buffer per layer, read in place; its copies are unstacked.
+        # one KV buffer per layer, read in place; its copies are unstacked (a LoRA model's
+        # adapters merged into its kernels with `lora_scale`, alpha / rank).
         self._given = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.state)
         self._take = _copy
         if unroll_layers and self.cfg.scan_layers:
-            self.graphdef, self._take = layer_unstacker(self.cfg)
+            self.graphdef, self._take = layer_unstacker(self.cfg, lora_scale)
             self.cfg = self.cfg.model_copy(update={"scan_layers": False})
         self.pack_prefill = pack_prefill  # prompts several to a row in the prefill (`pack_prompts`)
         self.decode_phases = decode_phases  # at most this many cache lengths (`phase_ends`)

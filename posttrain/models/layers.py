@@ -41,8 +41,12 @@ def linear(cfg: ModelConfig, din: int, dout: int, axes: tuple[str, str], rngs: n
 
 def dense(layer: nnx.Linear, x: jax.Array) -> jax.Array:
     """Apply a Linear to [..., in] as one 2-D matmul: XLA:CPU runs [B*T, in] @ [in, out] and its
-    gradients about 2x faster than the batched [B, T, in] form (measured in benchmarks/)."""
+    gradients about 2x faster than the batched [B, T, in] form (measured in benchmarks/).
+    The output is in the layer's compute dtype: qwix's LoRA adds its f32 adapters' product,
+    which would carry f32 into a bf16 model's attention and MLP."""
     y = layer(x.reshape(-1, x.shape[-1]))
+    if layer.dtype is not None:
+        y = y.astype(layer.dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

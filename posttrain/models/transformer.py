@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from posttrain.models.config import ModelConfig
@@ -41,14 +42,17 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
 
     def __call__(self, x, pos, seg, rope: Rope, kv=None):
-        """-> (x, new kv, router stats: {} for a dense MLP)."""
+        """-> (x, new kv, router stats: {} for a dense MLP). The residual stream keeps x's
+        dtype: qwix's LoRA adds its f32 adapters' output to a projection's, which would turn a
+        bf16 stream f32 from the first adapted layer on (every later matmul in f32, and a
+        scan's carry of another dtype than it started with)."""
         h, new_kv = self.self_attn(self.input_layernorm(x), pos, seg, rope, kv)
-        x = x + h
+        x = x + h.astype(x.dtype)
         if isinstance(self.mlp, MLP):
             h, stats = self.mlp(self.post_attention_layernorm(x)), {}
         else:
             h, stats = self.mlp(self.post_attention_layernorm(x), seg != 0)
-        x = x + h
+        x = x + h.astype(x.dtype)
         return constrain(x, ACT_AXES), new_kv, stats
 
 
@@ -279,13 +283,20 @@ class CausalLM(nnx.Module):
         return out if cache is None else (out, cache)
 
 
-def layer_unstacker(cfg: ModelConfig):
+def merge_lora(w, a, b, scale: float):
+    """A LoRA kernel as one plain kernel, W' = W + (alpha / rank) A B, in W's dtype (numpy or
+    JAX arrays; stacked ones layer by layer)."""
+    return (w.astype(np.float32) + scale * (a @ b)).astype(w.dtype)
+
+
+def layer_unstacker(cfg: ModelConfig, lora_scale: float | None = None):
     """(graphdef, unstack) for a scanned model's unrolled twin: `unstack(state[, into])` (jitted,
     one dispatch) takes the scanned model's state, or a part of it, to the twin's layout, each
     stacked [L, ...] leaf under `model.layers` split into its L layers' leaves. The decode of
     unrolled layers reads one KV buffer per layer in place, where a layer of a scan slices its
     keys and values out of the stacked cache, a copy per layer per step (24% of the decode's
-    time on a TPU v5e, BENCHMARKS.md)."""
+    time on a TPU v5e, BENCHMARKS.md). A scanned LoRA model's adapters are merged into the
+    twin's kernels (`merge_lora` with `lora_scale`): the twin decodes plain weights."""
     twin = cfg.model_copy(update={"scan_layers": False})
     graphdef, like = nnx.split(nnx.eval_shape(lambda: CausalLM(twin, nnx.Rngs(0))))
     like = [(tuple(p), v) for p, v in nnx.to_flat_state(like)]
@@ -306,7 +317,15 @@ def layer_unstacker(cfg: ModelConfig):
             at, layer = source(path)
             if at in src:
                 value = src[at].get_value()
-                out.append((path, var.replace(value if layer is None else value[layer])))
+                value = value if layer is None else value[layer]
+                lora = at[:-1] + (f"{at[-1]}_lora_a",), at[:-1] + (f"{at[-1]}_lora_b",)
+                if lora[0] in src:
+                    if lora_scale is None:
+                        raise ValueError(f"{'.'.join(map(str, at))}: a LoRA kernel, but no "
+                                         "lora_scale (alpha / rank) to merge its adapters with")
+                    a, b = (src[k].get_value()[layer] for k in lora)
+                    value = merge_lora(value, a, b, lora_scale)
+                out.append((path, var.replace(value)))
         return nnx.from_flat_state(out)
 
     _unstack = jax.jit(unstack_tree)

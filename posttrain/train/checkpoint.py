@@ -30,6 +30,7 @@ from flax import nnx
 
 from posttrain import faults
 from posttrain.errors import CheckpointError, UserError, warn
+from posttrain.models.transformer import merge_lora
 
 
 def flatten(tree: Any) -> dict[str, Any]:
@@ -360,7 +361,7 @@ def canonical_param(read: Callable[[str], np.ndarray], keys, stem: str,
     lora = stem[: -len("kernel")] + "kernel_lora_"
     if stem.endswith("kernel") and f"{lora}a/value" in keys:
         a, b = np.asarray(read(f"{lora}a/value")), np.asarray(read(f"{lora}b/value"))
-        value = (value.astype(np.float32) + lora_scale * (a @ b)).astype(value.dtype)
+        value = merge_lora(value, a, b, lora_scale)
     return value
 
 

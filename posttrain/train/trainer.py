@@ -84,14 +84,8 @@ def create_model(cfg: RunConfig, model_cfg: ModelConfig, mesh) -> CausalLM:
             "scan_layers", "remat", "param_dtype", "compute_dtype")})
         state = nnx.state(model)
         nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
-    lora = cfg.model.lora
-    if lora.rank:
-        import qwix
-
-        provider = qwix.LoraProvider(module_path=lora.target_modules, rank=lora.rank,
-                                     alpha=lora.alpha, dropout=lora.dropout,
-                                     weight_qtype=jnp.int8 if lora.int8_base else None)
-        model = qwix_apply(model, provider, rngs=nnx.Rngs(params=cfg.seed, dropout=cfg.seed))
+    if cfg.model.lora.rank:
+        model = with_adapters(model, cfg)
         state = nnx.state(model)
         nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
     if cfg.model.quantization == "int8":
@@ -101,6 +95,19 @@ def create_model(cfg: RunConfig, model_cfg: ModelConfig, mesh) -> CausalLM:
                                                 weight_qtype=jnp.int8, act_qtype=jnp.int8)])
         model = qwix_apply(model, provider)
     return model
+
+
+def with_adapters(model: CausalLM, cfg: RunConfig) -> CausalLM:
+    """`model` with the recipe's LoRA adapters (over an int8 copy of the base with
+    `model.lora.int8_base`); also under `nnx.eval_shape` (`posttrain plan` compiles the step
+    of the abstract model)."""
+    import qwix
+
+    lora = cfg.model.lora
+    provider = qwix.LoraProvider(module_path=lora.target_modules, rank=lora.rank,
+                                 alpha=lora.alpha, dropout=lora.dropout,
+                                 weight_qtype=jnp.int8 if lora.int8_base else None)
+    return qwix_apply(model, provider, rngs=nnx.Rngs(params=cfg.seed, dropout=cfg.seed))
 
 
 class Trainer:

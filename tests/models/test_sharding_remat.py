@@ -162,3 +162,70 @@ def test_every_remat_name_a_config_accepts_has_a_policy():
     from posttrain.models.transformer import REMAT_POLICIES
 
     assert set(get_args(RematPolicy)) == set(REMAT_POLICIES)
+
+
+def unrolled_like(scanned, unrolled):
+    """`unrolled` (a model with unrolled layers) given `scanned`'s values, adapters included:
+    layer i of every stacked [L, ...] variable."""
+    src = {tuple(map(str, p)): v[...] for p, v in nnx.to_flat_state(nnx.state(scanned))}
+    out = []
+    for p, v in nnx.to_flat_state(nnx.state(unrolled)):
+        s = tuple(map(str, p))
+        out.append((p, v.replace(src[s[:2] + s[3:]][int(s[2])] if s[:2] == ("model", "layers")
+                                 else src[s])))
+    nnx.update(unrolled, nnx.from_flat_state(out))
+    return unrolled
+
+
+def test_lora_over_scanned_layers_is_lora_over_unrolled_ones():
+    """The adapters of a scanned model (`models.qwix_apply`: each layer's made by qwix inside
+    the vmap that stacks them, [L, ...] beside their kernels) compute what an unrolled model's
+    do: the same loss and adapter gradients under remat, every layer its own adapters. The
+    scanned program holds one layer: the 0.6B LoRA update compiled for a v5e in 165 s with
+    28 unrolled layers (BENCHMARKS.md). The colocated engine decodes the scanned policy as
+    its unrolled twin with the adapters merged into the kernels: it scores as the policy."""
+    from rollout.jax_engine import JaxEngine, score_sequences
+    from tests.helpers import with_lora
+
+    b = jax.tree.map(jnp.asarray, batch(b=2))
+    import qwix
+
+    from posttrain.models import qwix_apply
+
+    fresh = qwix_apply(build_model(CFG.model_copy(update=dict(scan_layers=True))),
+                       qwix.LoraProvider(module_path=".*_proj", rank=4, alpha=8.0),
+                       rngs=nnx.Rngs(0))
+    a = [v[...] for p, v in nnx.to_flat_state(nnx.state(fresh, nnx.LoRAParam))
+         if p[-1].endswith("lora_a")]
+    assert len(a) == 7 and all(x.shape[0] == CFG.num_hidden_layers for x in a)
+    assert all(not np.allclose(x[0], x[1]) for x in a)  # each layer drew its own A
+    scanned = with_lora(build_model(CFG.model_copy(update=dict(remat="full", scan_layers=True))))
+    unrolled = unrolled_like(scanned, with_lora(build_model(CFG.model_copy(update=dict(
+        remat="full", scan_layers=False)))))
+    out = []
+    for model in (scanned, unrolled):
+        graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+        f = jax.jit(jax.value_and_grad(lambda p: next_token_loss(nnx.merge(graphdef, p, rest), b)[0]))
+        loss, g = f(lora)
+        out.append((float(loss), {tuple(map(str, p)): v[...] for p, v in nnx.to_flat_state(g)}))
+    (ls, gs), (lu, gu) = out
+    assert abs(ls - lu) <= 1e-5 * abs(lu)
+    for p, g in gu.items():  # fp32: summation order alone
+        np.testing.assert_allclose(gs[p[:2] + p[3:]][int(p[2])], g, rtol=1e-4, atol=1e-6)
+    seqs = [[1, 5, 9, 3, 7, 2], [4, 4, 8]]
+    eng = JaxEngine(scanned, lora_scale=8.0 / 4)
+    np.testing.assert_allclose(np.asarray(sum(eng.score(seqs), [])),
+                               np.asarray(sum(score_sequences(scanned, seqs), [])), atol=1e-5)
+    with pytest.raises(ValueError, match="lora_scale"):
+        JaxEngine(scanned)
+
+
+def test_lora_for_some_layers_only_asks_for_unrolled_layers():
+    import qwix
+
+    from posttrain.models import qwix_apply
+
+    provider = qwix.LoraProvider(module_path=r"model/layers/0/.*_proj", rank=4, alpha=8.0)
+    with pytest.raises(ValueError, match="scan_layers: false"):
+        qwix_apply(build_model(CFG.model_copy(update=dict(scan_layers=True))), provider,
+                   rngs=nnx.Rngs(0))

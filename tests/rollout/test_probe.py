@@ -154,11 +154,14 @@ def test_grpo_run_whose_engine_samples_without_the_adapters_stops_on_the_first_s
     """A LoRA GRPO run on the colocated JAX engine whose sampling path skips the adapters (the
     fault its prefill had): the teacher-forced probe passes every sync, the sampling probe stops
     the run at the first sync after the adapters moved (version 1: they start at B = 0),
-    naming the engine, before any checkpoint of a policy trained on such rollouts."""
+    naming the engine, before any checkpoint of a policy trained on such rollouts. Unrolled
+    layers: the engine then runs the trainer's adapters as they are (a scanned trainer's are
+    merged into the engine's kernels, `layer_unstacker`)."""
     from posttrain.pipeline import run_grpo
 
     cfg = config(tmp_path)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={
+        "scan_layers": False,
         "lora": cfg.model.lora.model_copy(update={"rank": 4, "alpha": 8.0})})})
     break_the_decode(monkeypatch)
     with pytest.raises(WeightSyncError, match=r"JaxEngine \(in process\) samples from another "
