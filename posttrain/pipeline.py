@@ -108,9 +108,7 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
             sync_opts = dict(lora_scale=cfg.model.lora.scale, transport=r.transport, probe=probe,
                              bucket_bytes=r.bucket_mb << 20, timeout_s=r.sync_timeout_s)
             if start:
-                push([engine], trainer, model_cfg, start, **sync_opts)
-            elif probe is not None:  # the engine as built (from the trainer's model or its HF export)
-                check_probe([engine], trainer.score, probe, 0)
+                push([engine], trainer, model_cfg, start, **{**sync_opts, "probe": None})
 
             row_unit = trainer.row_unit() if g.pack else 0
             fixed = g.fixed_shapes(jax.default_backend())
@@ -141,6 +139,11 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
             t0 = time.perf_counter()  # a step's wall time runs from the previous step's log
             with dog.waiting(f"rollouts and rewards for step {start + 1}"):
                 job = produce(start) if start < t.steps else None
+            if probe is not None:
+                # the engine as built or restored (from the trainer's model or its HF export),
+                # proven before any update; after the first rollouts, whose decode programs
+                # the probe's generation then runs in (`rollout.reuse_programs`)
+                check_probe([engine], trainer.score, probe, start)
             for step in range(start, t.steps):
                 # 1-4. the batch: sampled, scored, advantages (generated before this step)
                 rollouts, all_rewards, adv_mask = job["rollouts"], job["rewards"], job["adv_mask"]

@@ -229,7 +229,7 @@ def build_engines(cfg: RunConfig, trainer, tokenizer, run_dir: Path):
         return JaxEngine(trainer.policy(), tokenizer, seed=cfg.seed, copy_weights=True,
                          decode_phases=r.decode_phases, unroll_layers=r.unroll_layers,
                          kv_cache_dtype=r.kv_cache_dtype, max_rows=r.max_rows,
-                         lora_scale=cfg.model.lora.scale)
+                         lora_scale=cfg.model.lora.scale, reuse_programs=r.reuse_programs)
     trainer.save_hf(hf_dir, lora_scale=cfg.model.lora.scale)
     tokenizer.save_pretrained(hf_dir)
     import jax
@@ -264,7 +264,7 @@ def build_engines(cfg: RunConfig, trainer, tokenizer, run_dir: Path):
     spec = {"kind": r.engine, "model_dir": str(hf_dir), "tokenizer_dir": str(hf_dir), "seed": cfg.seed,
             "scan_layers": trainer.model_cfg.scan_layers, "decode_phases": r.decode_phases,
             "unroll_layers": r.unroll_layers, "kv_cache_dtype": r.kv_cache_dtype,
-            "max_rows": r.max_rows,
+            "max_rows": r.max_rows, "reuse_programs": r.reuse_programs,
             "num_gpus": gpus, "vllm": vllm}
     group = WorkerGroup(spec, r.num_workers, request_timeout_s=r.request_timeout_s)
     if standins and vllm["weight_transfer"]:

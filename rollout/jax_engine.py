@@ -18,6 +18,7 @@ import time
 from dataclasses import replace
 from collections.abc import Sequence
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -132,16 +133,53 @@ def _generate(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p
     return out_t, out_lp, out_k, n
 
 
-def pack_prompts(prompts: list[list[int]], rows: int, row_len: int) -> dict | None:
+class ProgramShape(NamedTuple):
+    """What a decode program of `_generate` is compiled for: prompts (prefill rows), prompt
+    slots, generation slots, samples per prompt, stop-id slots, packed prefill rows (0: none)."""
+    prompts: int
+    prompt_len: int
+    gen_len: int
+    group: int
+    stops: int
+    packed: int
+
+    def cost(self) -> int:
+        return self.prompts * self.group * (self.prompt_len + self.gen_len)
+
+
+def fitting_program(compiled, need: ProgramShape, prompts: list[list[int]]):
+    """The cheapest compiled program that can run a request of shape `need` (as many prompts,
+    samples, prompt and generation slots or more; the same stop slots; its prompts packed into
+    its packed rows if it packs): (shape, packing) or None. Its extra rows and samples are
+    discarded; a generation stops at the request's `max_tokens` (a traced argument)."""
+    for c in sorted(compiled, key=ProgramShape.cost):
+        if (c.stops != need.stops or c.group < need.group or c.prompts < need.prompts
+                or c.prompt_len < need.prompt_len or c.gen_len < need.gen_len):
+            continue
+        if not c.packed:
+            return c, None
+        packing = pack_prompts(prompts, c.prompts, c.prompt_len, n_rows=c.packed)
+        if packing is not None:
+            return c, packing
+    return None
+
+
+def pack_prompts(prompts: list[list[int]], rows: int, row_len: int,
+                 n_rows: int | None = None) -> dict | None:
     """The prompts packed first-fit decreasing into rows of `row_len` tokens for one prefill
     (segment ids keep each prompt's attention to itself, positions restart per prompt), with
     where each prompt lies (`row`, `offset`); the row count bucketed (`bucket_up` in 8s). None
     when that saves fewer than a quarter of the `rows` x `row_len` positions the plain prefill
-    runs (a GRPO batch's few distinct prompts, prompts near the bucket's length)."""
+    runs (a GRPO batch's few distinct prompts, prompts near the bucket's length). With
+    `n_rows`: exactly that many packed rows (a compiled program's), None if they do not fit."""
     layout = [r for r in packed_rows([len(p) for p in prompts], row_len, 1) if r]
-    n_rows = bucket_up(len(layout), 8)
-    if n_rows > 0.75 * rows:
-        return None
+    if n_rows is not None:
+        if len(layout) > n_rows:
+            return None
+    else:
+        n_rows = bucket_up(len(layout), 8)
+        if n_rows > 0.75 * rows:
+            return None
     tokens, pos, seg = (np.zeros((n_rows, row_len), np.int32) for _ in range(3))
     row, offset = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
     for r, members in enumerate(layout):
@@ -265,7 +303,7 @@ class JaxEngine:
                  version: int = 0, seed: int = 0, copy_weights: bool = False,
                  pack_prefill: bool = True, decode_phases: int = DECODE_PHASES,
                  unroll_layers: bool = True, kv_cache_dtype: str = "auto", max_rows: int = 0,
-                 lora_scale: float | None = None):
+                 lora_scale: float | None = None, reuse_programs: bool | None = None):
         self.graphdef, self.state = nnx.split(model)
         self.cfg = model.cfg
         # `_take(state[, into])`: the engine's own copy of a state in the layout the model was
@@ -284,6 +322,10 @@ class JaxEngine:
         self.kv_int8 = kv_cache_dtype == "int8"
         # at most this many sampled rows (prompts x n) per decode program, 0: all at once
         self.max_rows = max_rows
+        # the decode programs compiled so far, and whether a request may run in a bigger one
+        self.programs: set[ProgramShape] = set()
+        self.reuse_programs = (jax.default_backend() != "cpu" if reuse_programs is None
+                               else reuse_programs)
         # Whether `state` is the engine's own copy (nobody else holds its buffers), which a sync
         # may then overwrite in place: when colocated with a trainer that donates its buffers,
         # or unstacked.
@@ -421,30 +463,36 @@ class JaxEngine:
         # `min_prompts`' (the last of a split request compiles nothing new)
         u = bucket_rows(max(len(prompts), min_prompts), minimum=max(1, -(-8 // params.n)))
         tp = bucket_up(max(len(p) for p in prompts))
-        gen_len = bucket_mult(params.max_tokens)
-        tokens = np.zeros((u, tp), np.int32)
-        lens = np.ones((u,), np.int32)
+        stop = sorted(set(() if params.ignore_eos else self.eos) | set(params.stop_token_ids))
+        packing = pack_prompts(prompts, u, tp) if self.pack_prefill else None
+        shape = ProgramShape(u, tp, bucket_mult(params.max_tokens), params.n,
+                             bucket_pow2(len(stop), 4),
+                             0 if packing is None else len(packing["tokens"]))
+        if self.reuse_programs and shape not in self.programs:
+            shape, packing = fitting_program(self.programs, shape, prompts) or (shape, packing)
+        self.programs.add(shape)
+        tokens = np.zeros((shape.prompts, shape.prompt_len), np.int32)
+        lens = np.ones((shape.prompts,), np.int32)
         for i, r in enumerate(prompts):
             tokens[i, : len(r)] = r
             lens[i] = len(r)
-        stop = sorted(set(() if params.ignore_eos else self.eos) | set(params.stop_token_ids))
-        stop_ids = np.full((bucket_pow2(len(stop), 4),), -1, np.int32)
+        stop_ids = np.full((shape.stops,), -1, np.int32)
         stop_ids[: len(stop)] = stop
         seed = params.seed
         if seed is None:  # a seeded request (the probe's) leaves the unseeded stream as it was
             seed = self._seed * 1_000_003 + self._calls
             self._calls += 1
-        packing = pack_prompts(prompts, u, tp) if self.pack_prefill else None
         out_t, out_lp, out_k, n = jax.device_get(_generate(
             self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(lens), jax.random.key(seed),
             jnp.float32(params.temperature), jnp.int32(params.top_k), jnp.float32(params.top_p),
             jnp.bool_(params.logprobs == "full"), jnp.int32(params.max_tokens),
-            jnp.asarray(stop_ids), gen_len=gen_len, group=params.n,
-            phases=phase_ends(gen_len, self.decode_phases), kv_int8=self.kv_int8,
+            jnp.asarray(stop_ids), gen_len=shape.gen_len, group=shape.group,
+            phases=phase_ends(shape.gen_len, self.decode_phases), kv_int8=self.kv_int8,
             packing=None if packing is None else jax.tree.map(jnp.asarray, packing)))
         out = []
         stop_set = set(stop)
-        for i, r in enumerate(rows):
+        for j, r in enumerate(rows):
+            i = j // params.n * shape.group + j % params.n  # sample j % n of prompt j // n
             k = int(n[i])
             ids = out_t[i, :k].tolist()
             finish = "stop" if k and ids[-1] in stop_set else "length"
@@ -454,7 +502,7 @@ class JaxEngine:
             else:
                 (k, text), finish = cut, "stop"
                 ids = ids[:k]
-            out.append(Rollout(i // params.n, r, ids, out_lp[i, :k].tolist(), text, finish,
+            out.append(Rollout(j // params.n, r, ids, out_lp[i, :k].tolist(), text, finish,
                                self.version, kept_counts=out_k[i, :k].tolist()))
         return out
 

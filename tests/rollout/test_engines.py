@@ -480,3 +480,51 @@ def test_max_rows_splits_a_request_into_calls_of_one_program(setup):
     assert [r.prompt_index for r in got] == [i // 2 for i in range(30)]
     assert [r.prompt_token_ids for r in got] == [r.prompt_token_ids for r in whole]
     assert_same_samples(model, got, whole, sp)
+
+
+def test_a_request_runs_in_a_compiled_program_that_holds_it(setup):
+    """`rollout.reuse_programs`: a request with no program of its own shape runs in the
+    cheapest compiled one that holds it (more prompts, samples, prompt and generation slots;
+    the extra rows discarded, the generation stopped at its own max_tokens): no compile, and
+    the same greedy completions and log-probs (within 1e-5: fp32 order) as its own program.
+    On a TPU the weight-sync probe's small requests thus run in the rollout's program instead
+    of compiling decode programs of their own (30-100 s each at 0.6B)."""
+    from posttrain.compile_cache import CompileTally
+
+    d, _, tok, _ = setup
+    model = from_pretrained(d)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, model.cfg.vocab_size, int(rng.integers(2, 30))).tolist()
+               for _ in range(6)]
+    riding = JaxEngine(model, tok, pack_prefill=False, reuse_programs=True)
+    riding.generate(prompts, SamplingParams(temperature=0, max_tokens=40, n=4, ignore_eos=True))
+    assert len(riding.programs) == 1
+    sp = SamplingParams(temperature=0, max_tokens=10, n=2, ignore_eos=True)
+    own = JaxEngine(model, tok, pack_prefill=False, reuse_programs=False).generate(PROMPTS, sp)
+    CompileTally.install()
+    before = CompileTally.snapshot()[0]
+    got = riding.generate(PROMPTS, sp)
+    assert CompileTally.snapshot()[0] == before and len(riding.programs) == 1
+    assert [r.prompt_index for r in got] == [0, 0, 1, 1, 2, 2]
+    assert all(len(r.token_ids) == 10 for r in got)
+    assert_same_samples(model, got, own, sp)
+    # a request that no compiled program holds (more prompts) compiles its own
+    riding.generate(prompts + PROMPTS, sp)
+    assert len(riding.programs) == 2
+
+
+def test_the_cheapest_compiled_program_that_holds_a_request_is_chosen():
+    from rollout.jax_engine import ProgramShape, fitting_program
+
+    small = ProgramShape(8, 32, 64, 8, 4, 0)
+    big = ProgramShape(64, 128, 256, 8, 4, 0)
+    need = ProgramShape(4, 32, 32, 2, 4, 0)
+    prompts = [[1, 2, 3]] * 4
+    assert fitting_program({big, small}, need, prompts) == (small, None)
+    assert fitting_program({big}, need._replace(gen_len=512), prompts) is None
+    assert fitting_program({big}, need._replace(stops=8), prompts) is None  # stop slots differ
+    assert fitting_program({small}, need._replace(group=16), prompts) is None
+    packed = ProgramShape(16, 32, 64, 1, 4, 2)
+    shape, packing = fitting_program({packed}, ProgramShape(4, 32, 32, 1, 4, 0), prompts)
+    assert shape == packed and packing["tokens"].shape == (2, 32)
+    assert fitting_program({packed}, ProgramShape(16, 32, 32, 1, 4, 0), [[1] * 30] * 16) is None

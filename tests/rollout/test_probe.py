@@ -286,3 +286,25 @@ def test_fp32_weights_on_a_tpu_get_the_bf16_bound_unless_matmuls_run_at_fp32(mod
         assert eng.probe_tolerance == 5e-2
     with jax.default_matmul_precision("highest"):
         assert eng.probe_tolerance == 1e-4
+
+
+def test_the_probe_samples_in_the_rollouts_program_and_still_catches_a_stale_engine(models):
+    """With `rollout.reuse_programs` (on by default on accelerators) the probe's sampling
+    requests, both versions' shapes, run in the decode program the rollouts compiled (16
+    prompts x 4 samples here): no program of their own, the checks unchanged -- a synced
+    engine passes and a stale one is named."""
+    from rollout.engine import SamplingParams
+
+    d, trained = models
+    eng = JaxEngine(from_pretrained(d), reuse_programs=True)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 512, int(rng.integers(10, 30))).tolist() for _ in range(16)]
+    sp = SamplingParams(n=4, temperature=1.0, max_tokens=48, seed=1)
+    eng.generate(prompts, sp)  # a step's rollouts
+    assert len(eng.programs) == 1
+    push([eng], nnx.state(trained), trained.cfg, 1, probe=PROBE, model=trained)
+    push([eng], nnx.state(trained), trained.cfg, 2, probe=PROBE, model=trained)
+    assert len(eng.programs) == 1
+    eng.update_weights(nnx.state(from_pretrained(d)), 3)  # the old weights again
+    with pytest.raises(WeightSyncError, match="version 3"):
+        check_probe([eng], trained, PROBE, 3)
