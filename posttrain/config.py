@@ -70,14 +70,13 @@ class ModelSection(Strict):
 
     def switches(self) -> dict:
         """The implementation switches a ModelConfig takes from the recipe. LoRA over scanned
-        layers stacks each layer's adapters (`posttrain.models.qwix_apply`); an int8 base and an
-        adapted head need unrolled layers (qwix makes them on a first call of the whole model).
+        layers stacks each layer's adapters and int8 base (`posttrain.models.qwix_apply`); an
+        adapted head needs unrolled layers (qwix makes it on a first call of the whole model).
         A head qwix wraps (int8 QAT's rule covers lm_head; a LoRA target that matches it) must
         run as a module call, so the fused head loss is off."""
         lora_head = self.lora.rank and re.fullmatch(self.lora.target_modules, "lm_head") is not None
         wrapped_head = self.quantization == "int8" or lora_head
-        unrolled = self.lora.rank and (self.lora.int8_base or lora_head)
-        return {"scan_layers": self.scan_layers and not unrolled, "remat": self.remat,
+        return {"scan_layers": self.scan_layers and not lora_head, "remat": self.remat,
                 "param_dtype": self.param_dtype, "compute_dtype": self.compute_dtype,
                 "head_chunk_tokens": self.head_chunk_tokens, "attention": self.attention,
                 "fused_head_loss": not wrapped_head}

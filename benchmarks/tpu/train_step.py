@@ -57,7 +57,7 @@ PEAK_TFLOPS = {"tpu": 197.0}  # TPU v5e, bf16 dense
 
 def model_config(shape: str, head_chunk: int, remat: str, attention: str = "auto",
                  params: str = "f32", lora: int = 0, unroll: bool = False, fused_head: bool = True):
-    sw = dict(scan_layers=not (lora or unroll), remat=remat, compute_dtype="bfloat16",
+    sw = dict(scan_layers=not unroll, remat=remat, compute_dtype="bfloat16",
               param_dtype="bfloat16" if params == "bf16" else "float32",
               head_chunk_tokens=head_chunk, attention=attention, fused_head_loss=fused_head)
     return shape_config(shape, **sw)

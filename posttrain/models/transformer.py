@@ -296,7 +296,8 @@ def layer_unstacker(cfg: ModelConfig, lora_scale: float | None = None):
     unrolled layers reads one KV buffer per layer in place, where a layer of a scan slices its
     keys and values out of the stacked cache, a copy per layer per step (24% of the decode's
     time on a TPU v5e, BENCHMARKS.md). A scanned LoRA model's adapters are merged into the
-    twin's kernels (`merge_lora` with `lora_scale`): the twin decodes plain weights."""
+    twin's kernels (`merge_lora` with `lora_scale`) and an int8 base dequantized: the twin
+    decodes plain weights."""
     twin = cfg.model_copy(update={"scan_layers": False})
     graphdef, like = nnx.split(nnx.eval_shape(lambda: CausalLM(twin, nnx.Rngs(0))))
     like = [(tuple(p), v) for p, v in nnx.to_flat_state(like)]
@@ -315,9 +316,15 @@ def layer_unstacker(cfg: ModelConfig, lora_scale: float | None = None):
         out = []
         for path, var in like:
             at, layer = source(path)
-            if at in src:
-                value = src[at].get_value()
-                value = value if layer is None else value[layer]
+            q = at + ("array", "qvalue"), at + ("array", "scale")
+            if at in src or q[0] in src:
+                if at in src:
+                    value = src[at].get_value()
+                    value = value if layer is None else value[layer]
+                else:  # an int8 base (qwix's QArray): dequantized, as checkpoints load it
+                    qv, sc = (src[k].get_value() for k in q)
+                    qv, sc = (qv, sc) if layer is None else (qv[layer], sc[layer])
+                    value = (qv.astype(jnp.float32) * sc.astype(jnp.float32)).astype(var.dtype)
                 lora = at[:-1] + (f"{at[-1]}_lora_a",), at[:-1] + (f"{at[-1]}_lora_b",)
                 if lora[0] in src:
                     if lora_scale is None:

@@ -177,13 +177,16 @@ def unrolled_like(scanned, unrolled):
     return unrolled
 
 
-def test_lora_over_scanned_layers_is_lora_over_unrolled_ones():
+@pytest.mark.parametrize("int8_base", [False, True], ids=["lora", "lora-int8"])
+def test_lora_over_scanned_layers_is_lora_over_unrolled_ones(int8_base):
     """The adapters of a scanned model (`models.qwix_apply`: each layer's made by qwix inside
     the vmap that stacks them, [L, ...] beside their kernels) compute what an unrolled model's
-    do: the same loss and adapter gradients under remat, every layer its own adapters. The
+    do (over an int8 base too): the same loss and adapter gradients under remat, every layer
+    its own adapters. The
     scanned program holds one layer: the 0.6B LoRA update compiled for a v5e in 165 s with
     28 unrolled layers (BENCHMARKS.md). The colocated engine decodes the scanned policy as
-    its unrolled twin with the adapters merged into the kernels: it scores as the policy."""
+    its unrolled twin with the adapters merged into the (dequantized) kernels: it scores as
+    the policy."""
     from rollout.jax_engine import JaxEngine, score_sequences
     from tests.helpers import with_lora
 
@@ -193,15 +196,17 @@ def test_lora_over_scanned_layers_is_lora_over_unrolled_ones():
     from posttrain.models import qwix_apply
 
     fresh = qwix_apply(build_model(CFG.model_copy(update=dict(scan_layers=True))),
-                       qwix.LoraProvider(module_path=".*_proj", rank=4, alpha=8.0),
+                       qwix.LoraProvider(module_path=".*_proj", rank=4, alpha=8.0,
+                                         weight_qtype=jnp.int8 if int8_base else None),
                        rngs=nnx.Rngs(0))
     a = [v[...] for p, v in nnx.to_flat_state(nnx.state(fresh, nnx.LoRAParam))
          if p[-1].endswith("lora_a")]
     assert len(a) == 7 and all(x.shape[0] == CFG.num_hidden_layers for x in a)
     assert all(not np.allclose(x[0], x[1]) for x in a)  # each layer drew its own A
-    scanned = with_lora(build_model(CFG.model_copy(update=dict(remat="full", scan_layers=True))))
+    scanned = with_lora(build_model(CFG.model_copy(update=dict(remat="full", scan_layers=True))),
+                        int8_base=int8_base)
     unrolled = unrolled_like(scanned, with_lora(build_model(CFG.model_copy(update=dict(
-        remat="full", scan_layers=False)))))
+        remat="full", scan_layers=False))), int8_base=int8_base))
     out = []
     for model in (scanned, unrolled):
         graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
