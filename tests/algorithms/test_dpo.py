@@ -247,7 +247,7 @@ def test_reference_routes_agree_and_adapters_off_is_the_base_model(tmp_path):
     own adapters switched off, by the precompute pass, and by a separate base model agree."""
     from posttrain.train.loop import reference_table, with_reference
 
-    cfg = CFG.model_copy(update={"scan_layers": False})  # (qwix's LoRA: unrolled layers)
+    cfg = CFG.model_copy(update={"scan_layers": False})  # (LoRA over unrolled layers)
     base = build_model(cfg)
     policy = with_lora(build_model(cfg))  # non-zero adapters: the policy is not the base
     graphdef, params, frozen = nnx.split(policy, nnx.LoRAParam, ...)
