@@ -94,9 +94,15 @@ def test_tpu_topology_compile_agrees_with_the_estimate(tmp_path):
 @pytest.mark.slow
 def test_a_single_tpu_chip_is_a_topology_too():
     """`--topology v5e-1`: one chip (the TPU a developer rents first), which libtpu's default
-    host of 2x2 chips does not divide; the step compiles for it."""
+    host of 2x2 chips does not divide; the step compiles for it. A LoRA recipe's too (over
+    scanned layers and an int8 base; the compile refused LoRA before): the frozen base is an
+    argument of the step beside the adapters."""
     rc, (r,) = plan("recipes/sft_tiny.yaml", "--topology", "v5e-1")
     assert rc == 0 and r["xla"]["platform"] == "tpu" and r["xla"]["devices"] == 1
+    rc, (lora,) = plan("recipes/sft_tiny.yaml", "--topology", "v5e-1", "model.scan_layers=true",
+                       "model.lora.rank=4", "model.lora.int8_base=true")
+    assert rc == 0 and lora["xla"]["platform"] == "tpu"
+    assert 0 < lora["xla"]["arguments"] < r["xla"]["arguments"]  # int8 base, no Adam on it
 
 
 def test_colocated_vllm_is_planned_as_a_pool_beside_jaxs():
