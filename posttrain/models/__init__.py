@@ -58,15 +58,15 @@ def _scanned_lora(model: CausalLM, provider, rngs) -> CausalLM:
     import re
 
     import jax.numpy as jnp
+    import qwix
     from flax import nnx
-    from qwix._src.model import quantize_nnx_model
 
     from posttrain.models.layers import DTYPES, rope_inv_freq, rope_tables
 
     cfg = model.model.cfg
     model = nnx.clone(model)
     graphdef, state = nnx.split(model.model.layers)
-    rules = [r.module_path for r in provider._rules]
+    rules = [r.module_path for r in provider._rules]  # (qwix keeps them private)
     rel = [tuple(map(str, p)) for p, node in nnx.graph.iter_graph(model.model.layers)
            if isinstance(node, nnx.Module)]
 
@@ -87,7 +87,7 @@ def _scanned_lora(model: CausalLM, provider, rngs) -> CausalLM:
     def adapted(st, r):
         # qwix's wrap (its interception in the layer's class) without its first call, which
         # would match the rules on paths relative to the layer
-        layer = quantize_nnx_model(nnx.merge(graphdef, st), provider, skip_nnx_init=True)
+        layer = qwix.quantize_model(nnx.merge(graphdef, st), provider, skip_nnx_init=True)
         for path, m in nnx.iter_modules(layer):
             m.qwix_path = ("model", "layers", "0") + tuple(map(str, path))
             m.qwix_rngs, m.disable_quant_stats_update = nnx.data(r), True
