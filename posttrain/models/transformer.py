@@ -283,6 +283,11 @@ class CausalLM(nnx.Module):
         return out if cache is None else (out, cache)
 
 
+def dequantize(qvalue, scale):
+    """An int8 kernel (qwix's QArray: its values and scale) in f32 (numpy or JAX arrays)."""
+    return qvalue.astype(np.float32) * scale.astype(np.float32)
+
+
 def merge_lora(w, a, b, scale: float):
     """A LoRA kernel as one plain kernel, W' = W + (alpha / rank) A B, in W's dtype (numpy or
     JAX arrays; stacked ones layer by layer)."""
@@ -314,25 +319,26 @@ def layer_unstacker(cfg: ModelConfig, lora_scale: float | None = None):
     def unstack_tree(state):
         src = {tuple(p): v for p, v in nnx.to_flat_state(state)}
         out = []
+        def get(at, layer):
+            value = src[at].get_value()
+            return value if layer is None else value[layer]
+
         for path, var in like:
             at, layer = source(path)
             q = at + ("array", "qvalue"), at + ("array", "scale")
-            if at in src or q[0] in src:
-                if at in src:
-                    value = src[at].get_value()
-                    value = value if layer is None else value[layer]
-                else:  # an int8 base (qwix's QArray): dequantized, as checkpoints load it
-                    qv, sc = (src[k].get_value() for k in q)
-                    qv, sc = (qv, sc) if layer is None else (qv[layer], sc[layer])
-                    value = (qv.astype(jnp.float32) * sc.astype(jnp.float32)).astype(var.dtype)
-                lora = at[:-1] + (f"{at[-1]}_lora_a",), at[:-1] + (f"{at[-1]}_lora_b",)
-                if lora[0] in src:
-                    if lora_scale is None:
-                        raise ValueError(f"{'.'.join(map(str, at))}: a LoRA kernel, but no "
-                                         "lora_scale (alpha / rank) to merge its adapters with")
-                    a, b = (src[k].get_value()[layer] for k in lora)
-                    value = merge_lora(value, a, b, lora_scale)
-                out.append((path, var.replace(value)))
+            if at in src:
+                value = get(at, layer)
+            elif q[0] in src:  # an int8 base: dequantized, as checkpoints load it
+                value = dequantize(*(get(k, layer) for k in q)).astype(var.dtype)
+            else:
+                continue
+            lora = at[:-1] + (f"{at[-1]}_lora_a",), at[:-1] + (f"{at[-1]}_lora_b",)
+            if lora[0] in src:
+                if lora_scale is None:
+                    raise ValueError(f"{'.'.join(map(str, at))}: a LoRA kernel, but no "
+                                     "lora_scale (alpha / rank) to merge its adapters with")
+                value = merge_lora(value, *(get(k, layer) for k in lora), lora_scale)
+            out.append((path, var.replace(value)))
         return nnx.from_flat_state(out)
 
     _unstack = jax.jit(unstack_tree)

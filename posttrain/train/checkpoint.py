@@ -30,7 +30,7 @@ from flax import nnx
 
 from posttrain import faults
 from posttrain.errors import CheckpointError, UserError, warn
-from posttrain.models.transformer import merge_lora
+from posttrain.models.transformer import dequantize, merge_lora
 
 
 def flatten(tree: Any) -> dict[str, Any]:
@@ -356,8 +356,8 @@ def canonical_param(read: Callable[[str], np.ndarray], keys, stem: str,
     if f"{stem}/value" in keys:
         value = np.asarray(read(f"{stem}/value"))
     else:
-        value = (np.asarray(read(f"{stem}/array/qvalue/value"), np.float32)
-                 * np.asarray(read(f"{stem}/array/scale/value"), np.float32))
+        value = dequantize(np.asarray(read(f"{stem}/array/qvalue/value")),
+                           np.asarray(read(f"{stem}/array/scale/value")))
     lora = stem[: -len("kernel")] + "kernel_lora_"
     if stem.endswith("kernel") and f"{lora}a/value" in keys:
         a, b = np.asarray(read(f"{lora}a/value")), np.asarray(read(f"{lora}b/value"))
