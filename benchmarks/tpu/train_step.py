@@ -268,7 +268,9 @@ def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
     if o["profile"]:
         from benchmarks.tpu.profile import op_breakdown
 
-        res["profile"] = op_breakdown(once, steps=3)
+        res["profile"] = op_breakdown(once, steps=3, top=80)
+        if os.path.isdir(os.environ.get("OUT", "")):  # the compiled program, to read its ops beside the profile's
+            Path(os.environ["OUT"], f"{shape}_{batch}x{seq}.hlo.txt").write_text(compiled.as_text())
         # the share of the step the device spends in ops: the rest is host overhead / idle
         res["device_busy"] = res["profile"].get("op_ms_per_step", 0) / (dt * 1e3)
     return res

@@ -48,7 +48,7 @@ def _loss_and_grads(cfg, b):
 
 @pytest.mark.parametrize("chunk_tokens,tie", [(16, True), (40, False)])
 def test_chunked_head_equals_the_whole_head(chunk_tokens, tie):
-    """The loss over the LM head in chunks (8 or 20 positions of 2 rows at a time; 37 positions
+    """The loss over the LM head in chunks (8 or 24 positions of 2 rows at a time; 37 positions
     leave a ragged last chunk, padded) equals the loss over the whole [B, T, V] logits, and so
     do its gradients (tied embedding and separate head): fp32, the same arithmetic in other
     shapes, so agreement to summation order (~1e-6 relative)."""
