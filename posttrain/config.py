@@ -73,13 +73,15 @@ class ModelSection(Strict):
         layers stacks each layer's adapters and int8 base (`posttrain.models.qwix_apply`); an
         adapted head needs unrolled layers (qwix makes it on a first call of the whole model).
         A head qwix wraps (int8 QAT's rule covers lm_head; a LoRA target that matches it) must
-        run as a module call, so the fused head loss is off."""
+        run as a module call, so the fused head loss is off; int8 QAT fake-quantizes inside
+        every projection's call, so q/k/v are not read as plain kernels either."""
         lora_head = self.lora.rank and re.fullmatch(self.lora.target_modules, "lm_head") is not None
         wrapped_head = self.quantization == "int8" or lora_head
         return {"scan_layers": self.scan_layers and not lora_head, "remat": self.remat,
                 "param_dtype": self.param_dtype, "compute_dtype": self.compute_dtype,
                 "head_chunk_tokens": self.head_chunk_tokens, "attention": self.attention,
-                "fused_head_loss": not wrapped_head}
+                "fused_head_loss": not wrapped_head,
+                "head_major_qkv": self.quantization != "int8"}
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSection":

@@ -9,7 +9,8 @@ alone: `+bf16` (bf16 parameters and optimizer moments), `+remat=POLICY`, `+attn=
 `+chunk=N` (head chunk tokens), `+unroll` (unrolled layers instead of a scan), `+block=N`
 (splash attention's tiles), `+fused=0|1` (splash's fused backward kernel), `+effort=X` (XLA's execution-time
 optimisation effort, -1 to 1: `train.compile_effort`), `+headfuse=0` (the loss through the
-chunked head under remat instead of `fused_head_nll`, the code before it), `+lora16` (LoRA
+chunked head under remat instead of `fused_head_nll`, the code before it), `+headmajor=0` (q/k/v
+through the Linear's call and transposed for splash, the code before `layers.dense_heads`), `+lora16` (LoRA
 rank 16 on every projection, the base frozen), `+int8` (with LoRA: the frozen base quantized to int8 by qwix), `+profile` (where the device time
 goes: `benchmarks.tpu.profile`), `+dpo` (a DPO step instead: each row one preference pair, chosen
 and rejected of T/2 tokens each, half prompt and half completion; with LoRA the reference is the
@@ -204,6 +205,7 @@ def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
     jax.config.update("jax_exec_time_optimization_effort", o["effort"])
     cfg = model_config(shape, o["head_chunk"], o["remat"], o["attention"], o["params"], o["lora"],
                        o["unroll"], bool(o["headfuse"]))
+    cfg = cfg.model_copy(update={"head_major_qkv": bool(o["headmajor"])})
     graphdef, params, rest = build(cfg, o["lora"], o["int8"])
     n_params = sum(x.size for x in jax.tree.leaves(params))
     n_matmul = cfg.matmul_params()
@@ -338,7 +340,7 @@ def main():
     defaults = dict(head_chunk=args.head_chunk, remat=args.remat, attention=args.attention,
                     params=args.params, lora=0, int8=False, profile=args.profile, dpo=False,
                     unroll=False, fused=int(SPLASH_FUSED_BWD), block=SPLASH_BLOCK,
-                    effort=0.0, headfuse=1)
+                    effort=0.0, headfuse=1, headmajor=1)
     if args.one:
         shape, b, t, o = parse_config(args.one, defaults)
         print("@@" + json.dumps(run_one(shape, b, t, args.steps, o)))

@@ -72,6 +72,10 @@ class ModelConfig(BaseModel):
         True, description="the next-token loss runs the LM head itself and forms its gradients "
         "in the forward (`posttrain.train.step.fused_head_nll`: 6 N_head FLOPs per token, not "
         "the chunked head's 8); off where qwix wraps the head (int8 QAT, LoRA on lm_head)")
+    head_major_qkv: bool = Field(
+        True, description="the splash path projects q/k/v straight to head-major [B, H, T, D] "
+        "with an einsum over each kernel (`layers.dense_heads`), not the Linear's own call; off "
+        "where qwix intercepts that call on every projection (int8 QAT)")
     moe_impl: Literal["ragged", "dense"] = Field(
         "ragged", description="ragged: tokens sorted by expert, grouped matmul (ragged_dot); "
         "dense: every expert on every token, weighted (tiny models, tests)")

@@ -111,12 +111,21 @@ def rope_tables(positions_bt: jax.Array, inv_freq: jax.Array, num_positions: int
     return Rope(cos, sin)
 
 
-def apply_rope(x_bthd: jax.Array, rope: Rope) -> jax.Array:
-    """HF's rotate-half RoPE (non-interleaved halves), computed in f32."""
-    x = x_bthd.astype(jnp.float32)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x * rope.cos + rotated * rope.sin).astype(x_bthd.dtype)
+def apply_rope(x: jax.Array, rope: Rope, scale: float = 1.0) -> jax.Array:
+    """HF's rotate-half RoPE (non-interleaved halves) over the last axis, in x's dtype as
+    transformers computes it (cos/sin cast to the activations' dtype), times `scale`, folded
+    into cos/sin (splash's 1/sqrt(D) on the queries: no pass of its own, forward or backward).
+    Written as the two half-width results concatenated, [x1 c - x2 s, x2 c + x1 s], rather than
+    x * cos + concat(-x2, x1) * sin, whose rotated copy of x XLA materialises (0.6B SFT step on
+    a v5e, XLA's cost model: f32 to bf16 saved ~2 ms per layer, forward and backward together,
+    this form and the folded scale ~2 ms more)."""
+    h = x.shape[-1] // 2
+    cos, sin = rope.cos[..., :h], rope.sin[..., :h]  # the tables' halves are equal
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+    x1, x2 = x[..., :h], x[..., h:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def attention_mask(q_pos_bt, q_seg_bt, k_pos_bs, k_seg_bs) -> jax.Array:
@@ -312,10 +321,18 @@ def splash_attention(q_bthd, k_btkd, v_btkd, seg_bt) -> jax.Array:
     segment is the mask `attention_mask` builds). Never [.., T, S] scores in memory. Off a TPU
     the kernel runs interpreted (tests). Padding queries (segment 0) attend padding keys here
     and every key in `dot_attention`: their outputs differ, and no real token reads them."""
+    d = q_bthd.shape[-1]
+    q = (q_bthd * (1 / math.sqrt(d))).astype(q_bthd.dtype)
+    return splash_attention_heads(*(a.transpose(0, 2, 1, 3) for a in (q, k_btkd, v_btkd)), seg_bt)
+
+
+def splash_attention_heads(q_bhtd, k_bktd, v_bktd, seg_bt) -> jax.Array:
+    """`splash_attention` on head-major operands, the kernel's own layout ([B, K, G, T, D] is a
+    reshape of [B, H, T, D]), with the queries already scaled by 1/sqrt(D); -> [B, T, H*D]."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
-    b, t, h, d = q_bthd.shape
-    kh = k_btkd.shape[2]
+    b, h, t, d = q_bhtd.shape
+    kh = k_bktd.shape[1]
     g = h // kh
     block = splash_block(t)
     dq = {} if SPLASH_FUSED_BWD else dict(block_q_dq=block, block_kv_dq=block)
@@ -325,14 +342,29 @@ def splash_attention(q_bthd, k_btkd, v_btkd, seg_bt) -> jax.Array:
     kernel = sa.make_splash_mqa_single_device(
         sa.MultiHeadMask([sa.CausalMask((t, t))] * g), block_sizes=sizes,
         interpret=target()[0] != "tpu")
-    q = (q_bthd * (1 / math.sqrt(d))).astype(q_bthd.dtype)
-    q = q.reshape(b, t, kh, g, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
-    k = k_btkd.transpose(0, 2, 1, 3)  # [B, K, T, D]
-    v = v_btkd.transpose(0, 2, 1, 3)
+    q = q_bhtd.reshape(b, kh, g, t, d)
     seg = sa.SegmentIds(q=seg_bt, kv=seg_bt)
     per_row = jax.vmap(kernel, in_axes=(0, 0, 0, None))  # over KV heads
-    out = jax.vmap(per_row, in_axes=(0, 0, 0, sa.SegmentIds(0, 0)))(q, k, v, seg)
-    return out.astype(q_bthd.dtype).transpose(0, 3, 1, 2, 4).reshape(b, t, h * d)
+    out = jax.vmap(per_row, in_axes=(0, 0, 0, sa.SegmentIds(0, 0)))(q, k_bktd, v_bktd, seg)
+    out = out.astype(q_bhtd.dtype).reshape(b, h, t, d)
+    return out.transpose(0, 2, 1, 3).reshape(b, t, h * d)
+
+
+def dense_heads(layer: nnx.Linear, x_bte: jax.Array, d: int, plain: bool = True) -> jax.Array:
+    """`dense` of [B, T, E] to head-major [B, n, T, d]: one einsum over the kernel viewed as
+    [E, n, d] (its variable keeps its [E, n*d] shape). XLA lays the product out for the heads
+    directly; `dense` then a transpose cost a v5e ~2 ms more per layer, forward and backward
+    together (XLA's cost model, 0.6B SFT step). A layer qwix has adapted (LoRA adapters beside the
+    kernel, applied by intercepting the Linear's own matmul; an int8 kernel) goes through
+    `dense`, and so does every layer where `plain` is off (`ModelConfig.head_major_qkv`: int8
+    QAT fake-quantizes inside the call and leaves no mark on the module)."""
+    b, t, _ = x_bte.shape
+    kernel = layer.kernel[...]
+    if not plain or hasattr(layer, "kernel_lora_a") or not isinstance(kernel, jax.Array):
+        return dense(layer, x_bte).reshape(b, t, -1, d).transpose(0, 2, 1, 3)
+    dt = layer.dtype or jnp.result_type(x_bte, kernel)
+    w = kernel.astype(dt).reshape(kernel.shape[0], -1, d)
+    return jnp.einsum("bte,ehd->bhtd", x_bte.astype(dt), w).astype(dt)
 
 
 class LayerKV(NamedTuple):
@@ -364,6 +396,9 @@ class Attention(nnx.Module):
         """kv: None (keys are this chunk) or a `LayerKV`; returns (out, None | (k_all, v_all))."""
         cfg = self.cfg
         b, t, _ = x_bte.shape
+        impl = attention_impl(cfg, t, kv is not None)
+        if impl == "splash":
+            return self._splash(x_bte, seg_bt, rope), None
         q = dense(self.q_proj, x_bte).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
         k = dense(self.k_proj, x_bte).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         v = dense(self.v_proj, x_bte).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
@@ -373,10 +408,6 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, rope)
         k = apply_rope(k, rope)
-        impl = attention_impl(cfg, t, kv is not None)
-        if impl == "splash":
-            out = splash_attention(q, k, v.transpose(0, 2, 1, 3), seg_bt)
-            return checkpoint_name(dense(self.o_proj, out), "out_proj"), None
         k = k.transpose(0, 2, 3, 1)  # [B, K, D, T]
         if kv is None:
             keys, values, k_pos, k_seg, new_kv = k, v, pos_bt, seg_bt, None
@@ -405,6 +436,22 @@ class Attention(nnx.Module):
             out = dot_attention(q, keys, values, mask)
         out = dense(self.o_proj, out)
         return checkpoint_name(out, "out_proj"), new_kv
+
+    def _splash(self, x_bte, seg_bt, rope: Rope):
+        """The splash path, head-major from the projections on ([B, H, T, D], `dense_heads`):
+        the kernel's layout needs no transposes of q, k or v."""
+        cfg = self.cfg
+        d = cfg.head_dim
+        q, k, v = (dense_heads(p, x_bte, d, cfg.head_major_qkv)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (checkpoint_name(x, "qkv_proj") for x in (q, k, v))
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        rope = Rope(rope.cos.swapaxes(1, 2), rope.sin.swapaxes(1, 2))  # [B, 1, T, D]
+        q = apply_rope(q, rope, 1 / math.sqrt(d))  # the softmax scale, folded into RoPE
+        k = apply_rope(k, rope)
+        out = splash_attention_heads(q, k, v, seg_bt)  # [B, T, H*D]
+        return checkpoint_name(dense(self.o_proj, out), "out_proj")
 
 
 class MLP(nnx.Module):
