@@ -416,8 +416,9 @@ def target_devices(topology: str | None, devices: int | None):
     return have[:devices] if devices else have
 
 
-def compile_train_step(cfg, mc, devices) -> dict:
-    """Lower and compile the recipe's real train step for `devices`; XLA's per-device bytes."""
+def compile_train_step(cfg, mc, devices, keep_hlo: bool = False) -> dict:
+    """Lower and compile the recipe's real train step for `devices`; XLA's per-device bytes (and
+    with `keep_hlo` the compiled program's text, `hlo`: `benchmarks.tpu.hlo_cost` reads it)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -504,7 +505,7 @@ def compile_train_step(cfg, mc, devices) -> dict:
             "aliased": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
             "code": m.generated_code_size_in_bytes, "total": total,
             "lower_s": t_lower, "compile_s": time.perf_counter() - t0 - t_lower,
-            "compile_effort": effort}
+            "compile_effort": effort, **({"hlo": compiled.as_text()} if keep_hlo else {})}
 
 
 # ---- the report ---------------------------------------------------------------------------------

@@ -159,3 +159,25 @@ def test_tpu_sft_run_dry_run_compares_the_accelerator_with_the_cpu(tmp_path):
     cmp = res["compare"]
     assert len(cmp["accelerator"]["losses"]) == len(cmp["cpu"]["losses"]) == 2
     assert cmp["agree"] and cmp["max_rel_diff"] <= res["loss_rtol"]
+
+
+def test_tpu_hlo_cost_reads_the_compilers_estimates_per_loop(tmp_path):
+    """`benchmarks/tpu/hlo_cost.py` compiles a recipe's train step for a v5e on this CPU (libtpu)
+    and reads the TPU compiler's per-op cycle estimates: a scanned 4-layer model's forward and
+    backward layer loops are found with their 4 trips, the step's estimate is their ops' sum
+    and more, and the costliest ops name the JAX operations they come from; the saved program
+    reads back to the same figures (`--hlo`, how the chip's own program is read)."""
+    saved = tmp_path / "step.hlo.txt"
+    cmd = [sys.executable, "-m", "benchmarks.tpu.hlo_cost", "recipes/sft_tiny.yaml",
+           "model.scan_layers=true", "--top", "5", "--save", str(saved)]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    from benchmarks.tpu.hlo_cost import read_program
+
+    prog = read_program(saved.read_text())
+    layer_loops = [ms for _, trips, ms in prog.loops if trips == 4]
+    assert len(layer_loops) >= 2 and all(ms > 0 for ms in layer_loops), prog.loops
+    assert prog.ms > sum(layer_loops)
+    assert any("dot_general" in o.source for o in sorted(prog.ops, key=lambda o: -o.ms)[:5])
+    assert f"step, estimated: {prog.ms:.1f} ms" in r.stdout

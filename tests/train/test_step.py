@@ -115,3 +115,23 @@ def test_chunked_head_never_holds_the_whole_logits(fused):
 
     assert max(sizes(jax.make_jaxpr(grad)(params).jaxpr)) < whole
     assert max(sizes(jax.make_jaxpr(lambda p: model(b["tokens"]))(params).jaxpr)) >= whole  # control
+
+
+def test_head_chunks_split_the_sequence_evenly():
+    """The head's chunks are as many as the memory budget needs, of equal length rounded up to a
+    multiple of 8: a 2,048-token row of 8 under Qwen3's 152k vocabulary (a 220-position budget)
+    runs 10 chunks of 208, not 10 of 220 with the last one 70% padding; never above the budget
+    by more than the rounding, never longer than the sequence."""
+    from types import SimpleNamespace
+
+    from posttrain.train.step import head_chunk
+
+    for vocab, rows, seq in [(151936, 8, 2048), (151936, 2, 2048), (151936, 1, 8192),
+                             (128256, 4, 2048), (151936, 64, 384), (512, 4, 64), (151936, 3, 1000)]:
+        cfg = SimpleNamespace(head_chunk_tokens=0, vocab_size=vocab)
+        c = head_chunk(cfg, rows, seq)
+        budget = max(1, min(seq, (1 << 30) // (4 * vocab) // rows))
+        n = -(-seq // c)
+        assert n <= -(-seq // budget) and c <= min(seq, budget + 7), (vocab, rows, seq, c)
+        assert n * c - seq < 8 * n and (c % 8 == 0 or c == seq or c <= 8), (vocab, rows, seq, c)
+    assert head_chunk(SimpleNamespace(head_chunk_tokens=0, vocab_size=151936), 8, 2048) == 208
