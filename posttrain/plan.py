@@ -183,6 +183,8 @@ def activation_bytes_per_token_layer(mc, remat: str, tensor: int, seq_len: int) 
         return e * c + (hd + 2 * kd) * c
     if remat == "save_qkvo":  # and o_proj's output
         return e * c + (hd + 2 * kd) * c + e * c
+    if remat == "save_attention":  # and splash's output (bf16) and log-sum-exp (f32 per head)
+        return e * c + e * c + hd * c + 4 * h / tensor
     return e * c + e * c  # save_out_proj
 
 

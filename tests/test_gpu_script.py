@@ -166,10 +166,12 @@ def test_tpu_hlo_cost_reads_the_compilers_estimates_per_loop(tmp_path):
     and reads the TPU compiler's per-op cycle estimates: a scanned 4-layer model's forward and
     backward layer loops are found with their 4 trips, the step's estimate is their ops' sum
     and more, and the costliest ops name the JAX operations they come from; the saved program
-    reads back to the same figures (`--hlo`, how the chip's own program is read)."""
+    reads back to the same figures (`--hlo`, how the chip's own program is read). Under remat
+    `save_attention` the program holds one splash forward kernel (the layer scan's forward), not
+    a second in the backward's recompute."""
     saved = tmp_path / "step.hlo.txt"
     cmd = [sys.executable, "-m", "benchmarks.tpu.hlo_cost", "recipes/sft_tiny.yaml",
-           "model.scan_layers=true", "--top", "5", "--save", str(saved)]
+           "model.scan_layers=true", "model.remat=save_attention", "--top", "5", "--save", str(saved)]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -181,3 +183,6 @@ def test_tpu_hlo_cost_reads_the_compilers_estimates_per_loop(tmp_path):
     assert prog.ms > sum(layer_loops)
     assert any("dot_general" in o.source for o in sorted(prog.ops, key=lambda o: -o.ms)[:5])
     assert f"step, estimated: {prog.ms:.1f} ms" in r.stdout
+    # remat save_attention: the backward's layer loop does not rerun splash's forward kernel
+    kernels = [o.name for o in prog.ops if o.name.startswith("splash_mqa_fwd")]
+    assert len(kernels) == 1, kernels

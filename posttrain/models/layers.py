@@ -341,7 +341,7 @@ def splash_attention_heads(q_bhtd, k_bktd, v_bktd, seg_bt) -> jax.Array:
                           use_fused_bwd_kernel=SPLASH_FUSED_BWD, **dq)
     kernel = sa.make_splash_mqa_single_device(
         sa.MultiHeadMask([sa.CausalMask((t, t))] * g), block_sizes=sizes,
-        interpret=target()[0] != "tpu")
+        residual_checkpoint_name="attention", interpret=target()[0] != "tpu")
     q = q_bhtd.reshape(b, kh, g, t, d)
     seg = sa.SegmentIds(q=seg_bt, kv=seg_bt)
     per_row = jax.vmap(kernel, in_axes=(0, 0, 0, None))  # over KV heads
