@@ -146,8 +146,28 @@ def build(cfg, lora: int, int8: bool):
         return model
 
     abstract = nnx.eval_shape(make)
-    whole = jax.jit(lambda: nnx.state(make()))()
+    # an int8 base is made leaf by leaf: the whole init program holds every layer's bf16 weights
+    # beside their int8 copies (16.8 GB for the 8B shape by XLA's v5e compile: out of memory)
+    whole = random_state(nnx.state(abstract)) if lora and int8 else jax.jit(lambda: nnx.state(make()))()
     return nnx.split(nnx.merge(nnx.graphdef(abstract), whole), nnx.LoRAParam if lora else nnx.Param, ...)
+
+
+def random_state(abstract):
+    """Random values of an abstract state's shapes and dtypes, one small jitted program per leaf
+    (so at most one leaf is being made at a time): int8 as random bytes, floats ~ N(0, 0.02)
+    (timing does not depend on the values; on a TPU an eager draw of a large array hangs)."""
+    import jax
+    import jax.numpy as jnp
+
+    leaves, tree = jax.tree.flatten(abstract)
+    keys = jax.random.split(jax.random.key(0), len(leaves))
+
+    def one(x, k):
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            return jax.jit(lambda k: jax.random.bits(k, x.shape, jnp.uint8).astype(x.dtype))(k)
+        return jax.jit(lambda k: (0.02 * jax.random.normal(k, x.shape, x.dtype)).astype(x.dtype))(k)
+
+    return jax.tree.unflatten(tree, [one(x, k) for x, k in zip(leaves, keys)])
 
 
 def dpo_step(graphdef, opt, cfg, batch: int, seq: int, lora: bool, tok):
