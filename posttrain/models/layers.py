@@ -116,9 +116,9 @@ def apply_rope(x: jax.Array, rope: Rope, scale: float = 1.0) -> jax.Array:
     transformers computes it (cos/sin cast to the activations' dtype), times `scale`, folded
     into cos/sin (splash's 1/sqrt(D) on the queries: no pass of its own, forward or backward).
     Written as the two half-width results concatenated, [x1 c - x2 s, x2 c + x1 s], rather than
-    x * cos + concat(-x2, x1) * sin, whose rotated copy of x XLA materialises (0.6B SFT step on
-    a v5e, XLA's cost model: f32 to bf16 saved ~2 ms per layer, forward and backward together,
-    this form and the folded scale ~2 ms more)."""
+    x * cos + concat(-x2, x1) * sin, whose rotated copy of x XLA materialises in f32. With the
+    even head chunks, the 0.6B 16k-token SFT step on a v5e went from 19,430 to 22,580 tokens/s
+    (BENCHMARKS.md; f32 models compute the same products as before)."""
     h = x.shape[-1] // 2
     cos, sin = rope.cos[..., :h], rope.sin[..., :h]  # the tables' halves are equal
     if scale != 1.0:
@@ -353,8 +353,8 @@ def splash_attention_heads(q_bhtd, k_bktd, v_bktd, seg_bt) -> jax.Array:
 def dense_heads(layer: nnx.Linear, x_bte: jax.Array, d: int, plain: bool = True) -> jax.Array:
     """`dense` of [B, T, E] to head-major [B, n, T, d]: one einsum over the kernel viewed as
     [E, n, d] (its variable keeps its [E, n*d] shape). XLA lays the product out for the heads
-    directly; `dense` then a transpose cost a v5e ~2 ms more per layer, forward and backward
-    together (XLA's cost model, 0.6B SFT step). A layer qwix has adapted (LoRA adapters beside the
+    directly, with no copy into splash's layout: the 0.6B 16k-token SFT step on a v5e, 22,580 ->
+    22,867 tokens/s against `dense` and transposes (BENCHMARKS.md). A layer qwix has adapted (LoRA adapters beside the
     kernel, applied by intercepting the Linear's own matmul; an int8 kernel) goes through
     `dense`, and so does every layer where `plain` is off (`ModelConfig.head_major_qkv`: int8
     QAT fake-quantizes inside the call and leaves no mark on the module)."""
