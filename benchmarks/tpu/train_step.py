@@ -5,7 +5,7 @@
                                         [--params f32|bf16] [--profile]
 
 A configuration is SHAPE:BATCHxSEQ with optional `+` options that override the flags for it
-alone: `+bf16` (bf16 parameters and optimizer moments), `+remat=POLICY`, `+attn=IMPL`,
+alone: `+bf16` (bf16 parameters; Adam moments stay f32: `init_opt_state`), `+remat=POLICY`, `+attn=IMPL`,
 `+chunk=N` (head chunk tokens), `+unroll` (unrolled layers instead of a scan), `+block=N`
 (splash attention's tiles), `+fused=0|1` (splash's fused backward kernel), `+effort=X` (XLA's execution-time
 optimisation effort, -1 to 1: `train.compile_effort`), `+headfuse=0` (the loss through the
