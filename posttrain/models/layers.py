@@ -313,22 +313,16 @@ def splash_block(t: int) -> int:
     return next(b for b in (min(SPLASH_BLOCK, t), 512, 256, 128) if t % b == 0)
 
 
-def splash_attention(q_bthd, k_btkd, v_btkd, seg_bt) -> jax.Array:
+def splash_attention(q_bhtd, k_bktd, v_bktd, seg_bt) -> jax.Array:
     """Causal grouped-query attention of a chunk over itself with the Pallas splash kernel
     (`jax.experimental.pallas.ops.tpu.splash_attention`): per (row, KV head), its G query heads
-    against one key/value head (the MQA kernel), segment ids keeping packed sequences apart
+    against one key/value head (the MQA kernel) on head-major operands, the kernel's own layout
+    ([B, K, G, T, D] is a reshape of [B, H, T, D]; the queries already scaled by 1/sqrt(D);
+    -> [B, T, H*D]), segment ids keeping packed sequences apart
     (positions restart per segment and rise with the index inside one, so index-causal within a
     segment is the mask `attention_mask` builds). Never [.., T, S] scores in memory. Off a TPU
     the kernel runs interpreted (tests). Padding queries (segment 0) attend padding keys here
     and every key in `dot_attention`: their outputs differ, and no real token reads them."""
-    d = q_bthd.shape[-1]
-    q = (q_bthd * (1 / math.sqrt(d))).astype(q_bthd.dtype)
-    return splash_attention_heads(*(a.transpose(0, 2, 1, 3) for a in (q, k_btkd, v_btkd)), seg_bt)
-
-
-def splash_attention_heads(q_bhtd, k_bktd, v_bktd, seg_bt) -> jax.Array:
-    """`splash_attention` on head-major operands, the kernel's own layout ([B, K, G, T, D] is a
-    reshape of [B, H, T, D]), with the queries already scaled by 1/sqrt(D); -> [B, T, H*D]."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     b, h, t, d = q_bhtd.shape
@@ -359,8 +353,8 @@ def dense_heads(layer: nnx.Linear, x_bte: jax.Array, d: int, plain: bool = True)
     `dense`, and so does every layer where `plain` is off (`ModelConfig.head_major_qkv`: int8
     QAT fake-quantizes inside the call and leaves no mark on the module)."""
     b, t, _ = x_bte.shape
-    kernel = layer.kernel[...]
-    if not plain or hasattr(layer, "kernel_lora_a") or not isinstance(kernel, jax.Array):
+    kernel = None if not plain or hasattr(layer, "kernel_lora_a") else layer.kernel[...]
+    if not isinstance(kernel, jax.Array):
         return dense(layer, x_bte).reshape(b, t, -1, d).transpose(0, 2, 1, 3)
     dt = layer.dtype or jnp.result_type(x_bte, kernel)
     w = kernel.astype(dt).reshape(kernel.shape[0], -1, d)
@@ -450,7 +444,7 @@ class Attention(nnx.Module):
         rope = Rope(rope.cos.swapaxes(1, 2), rope.sin.swapaxes(1, 2))  # [B, 1, T, D]
         q = apply_rope(q, rope, 1 / math.sqrt(d))  # the softmax scale, folded into RoPE
         k = apply_rope(k, rope)
-        out = splash_attention_heads(q, k, v, seg_bt)  # [B, T, H*D]
+        out = splash_attention(q, k, v, seg_bt)  # [B, T, H*D]
         return checkpoint_name(dense(self.o_proj, out), "out_proj")
 
 

@@ -31,7 +31,7 @@ REMAT_POLICIES = {
     "save_out_proj": jax.checkpoint_policies.save_only_these_names("out_proj"),
     "save_qkvo": jax.checkpoint_policies.save_only_these_names("qkv_proj", "out_proj"),
     # and the splash kernel's output and log-sum-exp (its residuals, named "attention" by
-    # `layers.splash_attention_heads`): the backward reruns the projections, not the kernel
+    # `layers.splash_attention`): the backward reruns the projections, not the kernel
     "save_attention": jax.checkpoint_policies.save_only_these_names("attention"),
 }
 

@@ -24,6 +24,12 @@ def inputs(b=2, t=128, h=4, kh=2, d=32, seed=0):
     return q, k, v, jnp.asarray(seg), jnp.asarray(pos)
 
 
+def splash(q, k, v, seg):
+    """`splash_attention` given [B, T, heads, D] operands, as `xla_attention` takes them."""
+    q = q * (1 / np.sqrt(q.shape[-1]))
+    return splash_attention(*(a.transpose(0, 2, 1, 3) for a in (q, k, v)), seg)
+
+
 def xla_attention(q, k, v, seg, pos):
     mask = attention_mask(pos, seg, pos, seg)
     return dot_attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask)
@@ -44,11 +50,11 @@ def test_splash_equals_xla_attention_values_and_gradients(monkeypatch, h, kh, t,
     def loss(f):
         return lambda q, k, v: jnp.sum(f(q, k, v) * w * real)
 
-    got = splash_attention(q, k, v, seg)
+    got = splash(q, k, v, seg)
     want = xla_attention(q, k, v, seg, pos)
     # f32 throughout; the kernel's online softmax sums in other blocks: ~1e-6
     np.testing.assert_allclose(np.asarray(got * real), np.asarray(want * real), atol=1e-5)
-    g_got = jax.grad(loss(lambda q, k, v: splash_attention(q, k, v, seg)), (0, 1, 2))(q, k, v)
+    g_got = jax.grad(loss(lambda q, k, v: splash(q, k, v, seg)), (0, 1, 2))(q, k, v)
     g_want = jax.grad(loss(lambda q, k, v: xla_attention(q, k, v, seg, pos)), (0, 1, 2))(q, k, v)
     rows = np.asarray(seg != 0)[..., None, None]  # padding rows differ by design (docstring)
     for a, b in zip(g_got, g_want):
@@ -75,6 +81,32 @@ def test_model_with_splash_attention_trains_as_with_xla():
     for (path, a), (_, w) in zip(nnx.to_flat_state(g_s), nnx.to_flat_state(g_x)):
         a, w = np.asarray(a[...]), np.asarray(w[...])
         assert np.linalg.norm(a - w) <= 1e-5 * np.linalg.norm(w) + 1e-9, path
+
+
+@pytest.mark.parametrize("int8_base", [False, True], ids=["lora", "lora-int8"])
+def test_the_splash_path_runs_lora_adapters(int8_base):
+    """On the splash path q/k/v are read as plain kernels (`layers.dense_heads`) unless qwix
+    adapted the layer: a LoRA model (adapters trained, so they matter; over an int8 base too)
+    gives the same loss and adapter gradients with splash as with XLA attention, which goes
+    through the Linear's call. Were the adapters skipped, q and v would differ."""
+    from flax import nnx
+
+    from posttrain.models import build_model
+    from posttrain.train.step import next_token_loss
+    from tests.helpers import with_lora
+    from tests.models.test_sharding_remat import CFG, assert_close_tree, batch
+
+    b = {k: jnp.asarray(v[:2]) for k, v in batch(b=8, t=128).items()}
+    out = {}
+    for impl in ("xla", "splash"):
+        cfg = CFG.model_copy(update={"attention": impl, "scan_layers": False})
+        model = with_lora(build_model(cfg), int8_base=int8_base)
+        graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+        f = lambda p: (lambda s, n, _: s / n)(*next_token_loss(nnx.merge(graphdef, p, rest), b))  # noqa: E731
+        out[impl] = jax.value_and_grad(f)(lora)
+    (l_s, g_s), (l_x, g_x) = out["splash"], out["xla"]
+    np.testing.assert_allclose(float(l_s), float(l_x), rtol=1e-6)
+    assert_close_tree(nnx.to_pure_dict(g_s), nnx.to_pure_dict(g_x))
 
 
 def test_save_attention_saves_the_splash_kernels_output_for_the_backward(capsys):
