@@ -497,6 +497,12 @@ def compile_train_step(cfg, mc, devices, keep_hlo: bool = False) -> dict:
         jax.config.update("jax_exec_time_optimization_effort", effort)  # as the run compiles it
         try:
             compiled = lowered.compile()
+        except jax.errors.JaxRuntimeError as e:  # XLA's verdict: the program cannot fit
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            return {"platform": devices[0].platform, "devices": len(devices),
+                    "oom": str(e).split("\n")[0].removeprefix("RESOURCE_EXHAUSTED: "),
+                    "lower_s": t_lower, "compile_s": time.perf_counter() - t0 - t_lower}
         finally:
             jax.config.update("jax_exec_time_optimization_effort", prev)
     m = compiled.memory_analysis()
@@ -523,7 +529,10 @@ def plan_stage(cfg, *, n_devices: int, accelerator: str, devices=None) -> dict:
            "hbm": hbm, "usable": frac * hbm, "estimate": est,
            "advice": advice(cfg, mc, est, hbm, sizes, frac), "model": mc}
     if devices is not None:
-        out["xla"] = compile_train_step(cfg, mc, devices)
+        out["xla"] = x = compile_train_step(cfg, mc, devices)
+        if "oom" in x:  # XLA's compile for the device outranks the estimate
+            head = f"does not fit: XLA's compile for {x['devices']} {x['platform']} device(s): {x['oom']}"
+            out["advice"] = [head] + out["advice"][1:]
     return out
 
 
@@ -547,6 +556,10 @@ def print_report(r: dict, console=None) -> None:
     if est.jax_share:
         table.add_row("JAX's pool (trainer.memory_fraction)", f"{est.jax_share / GB:.2f}")
     x = r.get("xla")
+    if x and "oom" in x:
+        table.add_row(f"XLA ({x['platform']}, {x['devices']} devices)", "out of memory",
+                      style="bold red")
+        x = None
     if x:
         table.add_row(f"XLA ({x['platform']}, {x['devices']} devices): arguments",
                       f"{x['arguments'] / GB:.2f}")

@@ -103,6 +103,12 @@ def test_a_single_tpu_chip_is_a_topology_too():
                        "model.lora.rank=4", "model.lora.int8_base=true")
     assert rc == 0 and lora["xla"]["platform"] == "tpu"
     assert 0 < lora["xla"]["arguments"] < r["xla"]["arguments"]  # int8 base, no Adam on it
+    # a step XLA cannot fit on the chip: its verdict is the plan's answer (exit 1), not a
+    # traceback (a 4B full fine-tune on one v5e crashed the plan this way)
+    rc, (big,) = plan("recipes/sft_tiny.yaml", "--topology", "v5e-1", "train.batch_size=512",
+                      "data.seq_len=4096", "model.remat=none")
+    assert rc == 1 and not big["fits"] and big["xla"]["oom"]
+    assert big["advice"][0].startswith("does not fit: XLA's compile for 1 tpu device(s)")
 
 
 def test_colocated_vllm_is_planned_as_a_pool_beside_jaxs():

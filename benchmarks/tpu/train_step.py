@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -320,13 +321,14 @@ def tunix_run(config: str, args, ours: dict) -> dict:
     and its MFU by the same convention; `vs_ours`: our tokens/s over its."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
         os.environ.get("TUNIX_PATH"), str(ROOT), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "benchmarks.tpu.tunix_sft", "--config", config,
+    base = config.split("+")[0]  # Tunix runs its own settings (remat, splash): shape and batch
+    cmd = [sys.executable, "-m", "benchmarks.tpu.tunix_sft", "--config", base,
            "--steps", str(4 if args.dry_run else args.steps)] + (["--tiny"] if args.dry_run else [])
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     res = child_result(config, r)
     if "error" in res:
         return {"peer": "tunix", **res}
-    shape, b, t, _ = parse_config(config, {})
+    shape, b, t, _ = parse_config(base, {})
     cfg = model_config(shape, 0, "full")
     peak = PEAK_TFLOPS.get("tpu") if ours.get("device", "").startswith("TPU") else None
     flops = flops_per_token(cfg, cfg.matmul_params(), t) * res["tokens_per_s"]
@@ -385,7 +387,7 @@ def main():
         res = child_result(c, child(c))
         results["runs"].append(res)
         print(json.dumps(res), flush=True)
-        if args.peer == "tunix":
+        if args.peer == "tunix" and not re.search(r"\+(lora|dpo)", c):  # its full-FT SFT peer
             results["runs"].append(tunix_run(c, args, res))
             print(json.dumps(results["runs"][-1]), flush=True)
         save_results(args.out, "train_step.json", results)
