@@ -151,9 +151,11 @@ def fitting_program(compiled, need: ProgramShape, prompts: list[list[int]]):
     """The cheapest compiled program that can run a request of shape `need` (as many prompts,
     samples, prompt and generation slots or more; the same stop slots; its prompts packed into
     its packed rows if it packs): (shape, packing) or None. Its extra rows and samples are
-    discarded; a generation stops at the request's `max_tokens` (a traced argument)."""
+    discarded; a generation stops at the request's `max_tokens` (a traced argument). A program
+    holds up to its `prompts` prompts whatever rows the request's own bucket would have (two
+    held-out problems, whose own program would have 8 rows, ride one of 2 prompts x 4 samples)."""
     for c in sorted(compiled, key=ProgramShape.cost):
-        if (c.stops != need.stops or c.group < need.group or c.prompts < need.prompts
+        if (c.stops != need.stops or c.group < need.group or c.prompts < len(prompts)
                 or c.prompt_len < need.prompt_len or c.gen_len < need.gen_len):
             continue
         if not c.packed:

@@ -14,7 +14,7 @@ samples its end token, so every completion runs to the 256-token limit (the wors
 reward is ~0 (the step's cost does not depend on it). `--set` passes overrides to the recipe
 (e.g. `--set model.lora.rank=0`).
 
-Reported from the run's own metrics.jsonl: the median step after the first two (compiles) and
+Reported from the run's own metrics.jsonl: the median step over the steady steps (past the first, none compiling or loading a program; else those after the first two) and
 its phases (rollout, reward, logprob, update, sync), the tokens generated per second, and the
 programs compiled per step (`compile/count`). On the TPU machine (../shared/TPU.md), after
 `source .whl-tpu/setup.sh`, with `--out $OUT`; this process never opens the chip (the model is
@@ -90,7 +90,9 @@ def summary(run_dir: Path, prompts: int, group: int) -> dict:
                 "compile_seconds": round(sum(r.get("compile/seconds", 0) for r in rows), 1)}
     if not steps:
         return {"steps_timed": 0, **compiles}
-    timed = steps[WARMUP:] or steps[-1:]
+    # steady steps: past the first, nothing compiled or loaded from the compile cache
+    steady = [r for r in steps[1:] if not r.get("compile/count") and not r.get("compile/cache_hits")]
+    timed = steady or steps[WARMUP:] or steps[-1:]
     step_s = statistics.median(r["time/step"] for r in timed)
     gen = statistics.median(r.get("completion_len/mean", r.get("rollout/completion_len", 0))
                             for r in timed)

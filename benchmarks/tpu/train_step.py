@@ -321,14 +321,16 @@ def tunix_run(config: str, args, ours: dict) -> dict:
     and its MFU by the same convention; `vs_ours`: our tokens/s over its."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
         os.environ.get("TUNIX_PATH"), str(ROOT), os.environ.get("PYTHONPATH")]))}
-    base = config.split("+")[0]  # Tunix runs its own settings (remat, splash): shape and batch
+    # Tunix runs its own settings (remat, splash): the shape and batch, and for its Llama
+    # (no dtype setting) our rows' bf16 parameters
+    base = config.split("+")[0] + ("+bf16" if "+bf16" in config and "llama" in config else "")
     cmd = [sys.executable, "-m", "benchmarks.tpu.tunix_sft", "--config", base,
            "--steps", str(4 if args.dry_run else args.steps)] + (["--tiny"] if args.dry_run else [])
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     res = child_result(config, r)
     if "error" in res:
         return {"peer": "tunix", **res}
-    shape, b, t, _ = parse_config(base, {})
+    shape, b, t, _ = parse_config(config.split("+")[0], {})
     cfg = model_config(shape, 0, "full")
     peak = PEAK_TFLOPS.get("tpu") if ours.get("device", "").startswith("TPU") else None
     flops = flops_per_token(cfg, cfg.matmul_params(), t) * res["tokens_per_s"]

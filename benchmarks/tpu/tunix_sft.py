@@ -6,7 +6,8 @@ Run by `benchmarks.tpu.train_step --peer tunix` in a process of its own (only Tu
 gets Tunix on its path, and one process holds the chip at a time). Tunix as its docs set it up
 for a TPU: its own Qwen3 (`tunix.models.qwen3.model.Qwen3`, random weights of the 0.6B preset),
 bf16 compute over f32 parameters, its splash attention (`use_flash_attention`), its remat of the
-whole decoder layer, `PeftTrainer` (full fine-tuning) with AdamW, every position a real token.
+whole decoder layer; for `llama1b` its Llama 3 (3.2-1B preset; no splash or dtype option in it:
+f32, or bf16 parameters with `+bf16`), remat of the decoder layer; `PeftTrainer` (full fine-tuning) with AdamW, every position a real token.
 Prints `@@` + JSON: median step seconds and tokens/s after 2 warm-up steps, peak HBM.
 """
 
@@ -43,6 +44,35 @@ def tunix_qwen3(tiny: bool, tiny_vocab: int, param_dtype, remat: str):
         return qwen3.Qwen3(cfg, rngs=nnx.Rngs(0)), cfg, mesh
 
 
+def tunix_llama3(tiny: bool, tiny_vocab: int, remat: str, bf16_params: bool):
+    """Tunix's own Llama 3 (the 3.2-1B preset, or a tiny shape) with random weights. Its model
+    has no dtype setting: it computes in its parameters' dtype, f32 as made, or bf16 with
+    `bf16_params` (the parameters cast after init: our `+bf16` rows' setting, Adam's moments
+    then in bf16 too, as optax keeps them in the parameters' dtype)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from tunix.models.llama3 import model as llama3
+    from tunix.utils import mesh as mesh_lib
+
+    if tiny:
+        cfg = llama3.ModelConfig(num_layers=2, vocab_size=tiny_vocab, embed_dim=64,
+                                 hidden_dim=128, num_heads=2, head_dim=32, num_kv_heads=1,
+                                 rope_theta=500_000, norm_eps=1e-5, weight_tying=True)
+    else:
+        cfg = llama3.ModelConfig.llama3p2_1b()
+    cfg = dataclasses.replace(cfg, remat_config=getattr(llama3.RematConfig, remat))
+    mesh = mesh_lib.create_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1])
+    with mesh:
+        model = llama3.Llama3(cfg, rngs=nnx.Rngs(0))
+        if bf16_params:
+            params = nnx.state(model, nnx.Param)
+            nnx.update(model, jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))
+    return model, cfg, mesh
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="0.6b:2x2048")
@@ -57,9 +87,13 @@ def main():
 
     from benchmarks.peers.tunix_bench import gen_model_input_fn, step_clock
 
-    shape, bs = args.config.split(":")
+    head, *opts = args.config.split("+")
+    shape, bs = head.split(":")
     batch, seq = map(int, bs.split("x"))
-    model, cfg, mesh = tunix_qwen3(args.tiny, 512, jnp.float32, "DECODER")
+    if shape.startswith("llama"):  # no splash option in its Llama 3: XLA attention
+        model, cfg, mesh = tunix_llama3(args.tiny, 512, "DECODER", "bf16" in opts)
+    else:
+        model, cfg, mesh = tunix_qwen3(args.tiny, 512, jnp.float32, "DECODER")
 
     config = peft_trainer.TrainingConfig(
         eval_every_n_steps=10**9, max_steps=args.steps, checkpoint_root_directory=None,
@@ -82,7 +116,8 @@ def main():
     print("@@" + json.dumps({"peer": "tunix", "shape": shape, "batch": batch, "seq": seq,
                              "step_s": dt, "tokens_per_s": batch * seq / dt,
                              "peak_bytes": stats.get("peak_bytes_in_use"),
-                             "splash": cfg.use_flash_attention}))
+                             "splash": getattr(cfg, "use_flash_attention", False),
+                             "params": "bf16" if "bf16" in opts else "f32"}))
 
 
 if __name__ == "__main__":

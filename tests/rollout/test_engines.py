@@ -527,6 +527,11 @@ def test_the_cheapest_compiled_program_that_holds_a_request_is_chosen():
     assert fitting_program({big}, need._replace(gen_len=512), prompts) is None
     assert fitting_program({big}, need._replace(stops=8), prompts) is None  # stop slots differ
     assert fitting_program({small}, need._replace(group=16), prompts) is None
+    # its own bucket's rows do not matter, only its prompts (8 single-sample requests bucket to
+    # 8 rows; 2 of them ride a program of 2 prompts x 4 samples, as a small held-out set does)
+    two = ProgramShape(2, 32, 64, 4, 4, 0)
+    assert fitting_program({two}, ProgramShape(8, 32, 32, 1, 4, 0), prompts[:2]) == (two, None)
+    assert fitting_program({two}, ProgramShape(8, 32, 32, 1, 4, 0), prompts[:3]) is None
     packed = ProgramShape(16, 32, 64, 1, 4, 2)
     shape, packing = fitting_program({packed}, ProgramShape(4, 32, 32, 1, 4, 0), prompts)
     assert shape == packed and packing["tokens"].shape == (2, 32)
