@@ -21,6 +21,7 @@ devices (`jax.make_array_from_process_local_data`); values come back from the de
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import jax
@@ -66,8 +67,10 @@ def batch_rows(mesh, rules, rows: int) -> tuple[int, int]:
 
 
 def create_model(cfg: RunConfig, model_cfg: ModelConfig, mesh) -> CausalLM:
-    """Random init directly into the sharded layout, or the checkpoint at model.path."""
+    """Random init directly into the sharded layout, or the checkpoint at model.path (with an
+    int8 LoRA base on an accelerator, quantized in host memory first: `base_made_on_host`)."""
     rules = cfg.mesh.rules
+    host = cfg.model.path is not None and base_made_on_host(cfg)
     if cfg.model.path is None:
         abstract = nnx.eval_shape(lambda: CausalLM(model_cfg, nnx.Rngs(cfg.seed)))
         shardings = state_shardings(nnx.state(abstract), mesh, rules)
@@ -80,11 +83,14 @@ def create_model(cfg: RunConfig, model_cfg: ModelConfig, mesh) -> CausalLM:
         state = jax.jit(init, out_shardings=shardings)()
         model = nnx.merge(graphdef, state)
     else:
-        model = load_model(cfg.model.path, **{k: getattr(model_cfg, k) for k in (
-            "scan_layers", "remat", "param_dtype", "compute_dtype")})
+        with jax.default_device(jax.local_devices(backend="cpu")[0]) if host else nullcontext():
+            model = load_model(cfg.model.path, **{k: getattr(model_cfg, k) for k in (
+                "scan_layers", "remat", "param_dtype", "compute_dtype")})
+            if host:  # quantized where the checkpoint is, the int8 base then sent
+                model = with_adapters(model, cfg)
         state = nnx.state(model)
         nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
-    if cfg.model.lora.rank:
+    if cfg.model.lora.rank and not host:
         model = with_adapters(model, cfg)
         state = nnx.state(model)
         nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
@@ -95,6 +101,15 @@ def create_model(cfg: RunConfig, model_cfg: ModelConfig, mesh) -> CausalLM:
                                                 weight_qtype=jnp.int8, act_qtype=jnp.int8)])
         model = qwix_apply(model, provider)
     return model
+
+
+def base_made_on_host(cfg: RunConfig) -> bool:
+    """Whether a checkpoint is loaded and its LoRA int8 base made in host memory, then sent:
+    on an accelerator with `model.lora.int8_base` (a Qwen3-8B's bf16 weights are 16.4 GB, more
+    than a 16 GB TPU v5e holds beside nothing else; its int8 base is 8.2 GB). Elsewhere the
+    weights go to the devices as they load."""
+    lora = cfg.model.lora
+    return bool(lora.rank and lora.int8_base) and jax.default_backend() != "cpu"
 
 
 def with_adapters(model: CausalLM, cfg: RunConfig) -> CausalLM:
