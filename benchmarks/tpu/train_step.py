@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -321,19 +320,23 @@ def tunix_run(config: str, args, ours: dict) -> dict:
     and its MFU by the same convention; `vs_ours`: our tokens/s over its."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
         os.environ.get("TUNIX_PATH"), str(ROOT), os.environ.get("PYTHONPATH")]))}
-    # Tunix runs its own settings (remat, splash): the shape and batch, and for its Llama
-    # (no dtype setting) our rows' bf16 parameters
-    base = config.split("+")[0] + ("+bf16" if "+bf16" in config and "llama" in config else "")
+    # Tunix runs its own settings (remat, splash): the shape and batch, for its Llama (no dtype
+    # setting) our rows' bf16 parameters, and our LoRA rows' rank and int8 base
+    head, *opts = config.split("+")
+    keep = [o for o in opts if o.startswith("lora") or o == "int8"
+            or (o == "bf16" and head.startswith("llama"))]
+    base = "+".join([head, *keep])
     cmd = [sys.executable, "-m", "benchmarks.tpu.tunix_sft", "--config", base,
            "--steps", str(4 if args.dry_run else args.steps)] + (["--tiny"] if args.dry_run else [])
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     res = child_result(config, r)
     if "error" in res:
         return {"peer": "tunix", **res}
-    shape, b, t, _ = parse_config(config.split("+")[0], {})
+    shape, b, t, _ = parse_config(head, {})
     cfg = model_config(shape, 0, "full")
     peak = PEAK_TFLOPS.get("tpu") if ours.get("device", "").startswith("TPU") else None
-    flops = flops_per_token(cfg, cfg.matmul_params(), t) * res["tokens_per_s"]
+    lora = any(o.startswith("lora") for o in keep)  # 4N: a frozen base, as ours
+    flops = flops_per_token(cfg, cfg.matmul_params(), t, weight_grads=not lora) * res["tokens_per_s"]
     res["mfu"] = flops / (peak * 1e12) if peak else None
     if "tokens_per_s" in ours:
         res["vs_ours"] = ours["tokens_per_s"] / res["tokens_per_s"]
@@ -389,7 +392,7 @@ def main():
         res = child_result(c, child(c))
         results["runs"].append(res)
         print(json.dumps(res), flush=True)
-        if args.peer == "tunix" and not re.search(r"\+(lora|dpo)", c):  # its full-FT SFT peer
+        if args.peer == "tunix" and "+dpo" not in c:  # its SFT trainer: full or LoRA
             results["runs"].append(tunix_run(c, args, res))
             print(json.dumps(results["runs"][-1]), flush=True)
         save_results(args.out, "train_step.json", results)

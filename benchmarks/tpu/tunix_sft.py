@@ -7,7 +7,9 @@ gets Tunix on its path, and one process holds the chip at a time). Tunix as its 
 for a TPU: its own Qwen3 (`tunix.models.qwen3.model.Qwen3`, random weights of the 0.6B preset),
 bf16 compute over f32 parameters, its splash attention (`use_flash_attention`), its remat of the
 whole decoder layer; for `llama1b` its Llama 3 (3.2-1B preset; no splash or dtype option in it:
-f32, or bf16 parameters with `+bf16`), remat of the decoder layer; `PeftTrainer` (full fine-tuning) with AdamW, every position a real token.
+f32, or bf16 parameters with `+bf16`), remat of the decoder layer; with `+loraR[+int8]` its
+Qwen3 (8B preset, bf16) with qwix LoRA adapters of rank R on every projection over an int8
+base, trained by the same `PeftTrainer` (adapters only); `PeftTrainer` (full fine-tuning) with AdamW, every position a real token.
 Prints `@@` + JSON: median step seconds and tokens/s after 2 warm-up steps, peak HBM.
 """
 
@@ -73,6 +75,45 @@ def tunix_llama3(tiny: bool, tiny_vocab: int, remat: str, bf16_params: bool):
     return model, cfg, mesh
 
 
+def tunix_qwen3_lora(tiny: bool, tiny_vocab: int, rank: int, int8: bool):
+    """Tunix's Qwen3 (the 8B preset, or a tiny shape; bf16 parameters) with qwix LoRA adapters
+    on every projection, over an int8 frozen base with `int8`, as Tunix's own LoRA recipes make
+    it (`qwix.apply_lora_to_model`). Made in host memory and then sent: an 8B's bf16 weights
+    (16.4 GB) do not fit the chip beside their int8 copy (ours are made the same way)."""
+    import jax
+    import jax.numpy as jnp
+    import qwix
+    from flax import nnx
+    from tunix.models.qwen3 import model as qwen3
+    from tunix.utils import mesh as mesh_lib
+
+    if tiny:
+        cfg = qwen3.ModelConfig(num_layers=2, vocab_size=tiny_vocab, embed_dim=64, hidden_dim=128,
+                                num_heads=2, head_dim=32, num_kv_heads=1, rope_theta=10000,
+                                norm_eps=1e-6, use_tied_embedding=True)
+    else:
+        cfg = qwen3.ModelConfig.qwen3_8b()
+    cfg.dtype, cfg.param_dtype = jnp.bfloat16, jnp.bfloat16
+    cfg.remat_config = qwen3.RematConfig.DECODER
+    cfg.use_flash_attention = jax.default_backend() == "tpu"
+    cpu = jax.local_devices(backend="cpu")[0]
+    with jax.default_device(cpu), mesh_lib.create_mesh((1, 1), ("fsdp", "tp"), devices=[cpu]):
+        base = qwen3.Qwen3(cfg, rngs=nnx.Rngs(0))
+        # its attention projections are Einsum modules that cast their weight before the
+        # einsum, which a qwix int8 weight does not allow: their base stays bf16 (the MLP's
+        # nnx.Linear layers, 2/3 of the layer's weights, go int8)
+        q = "int8" if int8 else None
+        provider = qwix.LoraProvider([
+            qwix.LoraRule(module_path=".*(gate_proj|up_proj|down_proj)", rank=rank,
+                          alpha=2.0 * rank, weight_qtype=q),
+            qwix.LoraRule(module_path=".*(q_proj|k_proj|v_proj|o_proj)", rank=rank,
+                          alpha=2.0 * rank)])
+        model = qwix.apply_lora_to_model(base, provider, **base.get_model_input())
+    mesh = mesh_lib.create_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1])
+    nnx.update(model, jax.device_put(nnx.state(model), jax.devices()[0]))
+    return model, cfg, mesh
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="0.6b:2x2048")
@@ -90,7 +131,10 @@ def main():
     head, *opts = args.config.split("+")
     shape, bs = head.split(":")
     batch, seq = map(int, bs.split("x"))
-    if shape.startswith("llama"):  # no splash option in its Llama 3: XLA attention
+    lora = next((int(o[4:] or 16) for o in opts if o.startswith("lora")), 0)
+    if lora:
+        model, cfg, mesh = tunix_qwen3_lora(args.tiny, 512, lora, "int8" in opts)
+    elif shape.startswith("llama"):  # no splash option in its Llama 3: XLA attention
         model, cfg, mesh = tunix_llama3(args.tiny, 512, "DECODER", "bf16" in opts)
     else:
         model, cfg, mesh = tunix_qwen3(args.tiny, 512, jnp.float32, "DECODER")
@@ -117,7 +161,8 @@ def main():
                              "step_s": dt, "tokens_per_s": batch * seq / dt,
                              "peak_bytes": stats.get("peak_bytes_in_use"),
                              "splash": getattr(cfg, "use_flash_attention", False),
-                             "params": "bf16" if "bf16" in opts else "f32"}))
+                             "params": "bf16" if "bf16" in opts or lora else "f32",
+                             "lora_rank": lora, "int8_base": lora > 0 and "int8" in opts}))
 
 
 if __name__ == "__main__":
