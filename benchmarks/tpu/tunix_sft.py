@@ -23,6 +23,25 @@ import time
 WARMUP = 2
 
 
+def qwen3_config(tiny: bool, tiny_vocab: int, preset: str, param_dtype, remat: str):
+    """Tunix's Qwen3 config: `preset` (a `ModelConfig` class method) or a tiny shape; bf16
+    compute, `remat` (a `RematConfig` name), its splash attention on a TPU."""
+    import jax
+    import jax.numpy as jnp
+    from tunix.models.qwen3 import model as qwen3
+
+    if tiny:
+        cfg = qwen3.ModelConfig(num_layers=2, vocab_size=tiny_vocab, embed_dim=64, hidden_dim=128,
+                                num_heads=2, head_dim=32, num_kv_heads=1, rope_theta=10000,
+                                norm_eps=1e-6, use_tied_embedding=True)
+    else:
+        cfg = getattr(qwen3.ModelConfig, preset)()
+    cfg.dtype, cfg.param_dtype = jnp.bfloat16, param_dtype
+    cfg.remat_config = getattr(qwen3.RematConfig, remat)
+    cfg.use_flash_attention = jax.default_backend() == "tpu"
+    return cfg
+
+
 def tunix_qwen3(tiny: bool, tiny_vocab: int, param_dtype, remat: str):
     """Tunix's own Qwen3 with random weights (the 0.6B preset, or a tiny shape), bf16 compute,
     its splash attention on a TPU, on a 1x1 ("fsdp", "tp") mesh: (model, config, mesh)."""
@@ -32,15 +51,7 @@ def tunix_qwen3(tiny: bool, tiny_vocab: int, param_dtype, remat: str):
     from tunix.models.qwen3 import model as qwen3
     from tunix.utils import mesh as mesh_lib
 
-    if tiny:
-        cfg = qwen3.ModelConfig(num_layers=2, vocab_size=tiny_vocab, embed_dim=64, hidden_dim=128,
-                                num_heads=2, head_dim=32, num_kv_heads=1, rope_theta=10000,
-                                norm_eps=1e-6, use_tied_embedding=True)
-    else:
-        cfg = qwen3.ModelConfig.qwen3_0p6b()
-    cfg.dtype, cfg.param_dtype = jnp.bfloat16, param_dtype
-    cfg.remat_config = getattr(qwen3.RematConfig, remat)
-    cfg.use_flash_attention = jax.default_backend() == "tpu"
+    cfg = qwen3_config(tiny, tiny_vocab, "qwen3_0p6b", param_dtype, remat)
     mesh = mesh_lib.create_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1])
     with mesh:
         return qwen3.Qwen3(cfg, rngs=nnx.Rngs(0)), cfg, mesh
@@ -87,15 +98,7 @@ def tunix_qwen3_lora(tiny: bool, tiny_vocab: int, rank: int, int8: bool):
     from tunix.models.qwen3 import model as qwen3
     from tunix.utils import mesh as mesh_lib
 
-    if tiny:
-        cfg = qwen3.ModelConfig(num_layers=2, vocab_size=tiny_vocab, embed_dim=64, hidden_dim=128,
-                                num_heads=2, head_dim=32, num_kv_heads=1, rope_theta=10000,
-                                norm_eps=1e-6, use_tied_embedding=True)
-    else:
-        cfg = qwen3.ModelConfig.qwen3_8b()
-    cfg.dtype, cfg.param_dtype = jnp.bfloat16, jnp.bfloat16
-    cfg.remat_config = qwen3.RematConfig.DECODER
-    cfg.use_flash_attention = jax.default_backend() == "tpu"
+    cfg = qwen3_config(tiny, tiny_vocab, "qwen3_8b", jnp.bfloat16, "DECODER")
     cpu = jax.local_devices(backend="cpu")[0]
     with jax.default_device(cpu), mesh_lib.create_mesh((1, 1), ("fsdp", "tp"), devices=[cpu]):
         base = qwen3.Qwen3(cfg, rngs=nnx.Rngs(0))
