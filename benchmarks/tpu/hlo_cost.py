@@ -135,8 +135,11 @@ def compile_recipe(recipe: str, overrides: list[str], topology: str) -> str:
     from posttrain.config import load_recipe
 
     cfg = load_recipe(recipe, overrides)[-1]
-    return compile_train_step(cfg, model_config_for_plan(cfg), target_devices(topology, None),
-                              keep_hlo=True)["hlo"]
+    x = compile_train_step(cfg, model_config_for_plan(cfg), target_devices(topology, None),
+                           keep_hlo=True)
+    if "oom" in x:
+        raise SystemExit(f"{recipe}: the step does not fit {topology}: {x['oom']}")
+    return x["hlo"]
 
 
 def main(argv: list[str] | None = None) -> int:
