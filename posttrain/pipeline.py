@@ -180,6 +180,8 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                 m.update(episode_metrics(rollouts) | (env.metrics() if env is not None else {}))
                 m.update({"policy_version": float(step + 1), "time/step": time.perf_counter() - t0,
                           **sync})
+                if isinstance(getattr(engine, "programs", None), set):  # the in-process JAX engine
+                    m["rollout/decode_programs"] = float(len(engine.programs))
                 if cfg.eval.every and (step + 1) % cfg.eval.every == 0 or step + 1 == t.steps:
                     with dog.waiting(f"evaluation at step {step + 1}"):
                         m.update(evaluate(cfg, engine, tokenizer, pool, eval_rows, env))

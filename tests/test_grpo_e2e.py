@@ -113,14 +113,20 @@ def test_grpo_with_lora_engines_serve_the_policy(base, tmp_path, engine, placeme
                            "stages.1.rollout.bucket_mb=1",
                            "rewards.functions=[{fn: tests/rewards_for_tests.py:says_seven}]",
                            "stages.1.rollout.enforce_eager=true",
-                           # one update shape (the TPU's default), so nothing compiles after step 1
-                           *(["stages.1.grpo.shapes=fixed"] if engine == "jax" else [])],
+                           # one update shape (the TPU's default), so nothing compiles after step 1,
+                           # and the probe and the held-out set in the rollout's decode program (as
+                           # on accelerators; 8 problems: the program's 8 prompts)
+                           *(["stages.1.grpo.shapes=fixed", "stages.1.rollout.reuse_programs=true",
+                              "stages.1.eval.num_problems=8"] if engine == "jax" else [])],
         **({"POSTTRAIN_CUDA_STANDINS": "1"} if transport.startswith("vllm_") else {}))
     m = [x for x in metrics(d / "grpo") if x.get("reward_mean") is not None]
     assert len(m) == 4
     if engine == "jax":  # the trainer, the engine, the sync and the probe in this process
         assert m[0]["compile/count"] > 0 and [x["compile/count"] for x in m[1:]] == [0] * 3, \
             [x["compile/count"] for x in m]
+        # the engine's decode programs: the rollout's (8 prompts x 8) and the stage report's
+        # held-out pass before the stage (16 prompts); the probe and the evaluations ride them
+        assert [x["rollout/decode_programs"] for x in m] == [2] * 4
     tol = 1e-3 if engine == "vllm" else 1e-4
     for x in m:
         assert x["mismatch/mean_abs_logp_diff"] <= tol and x["mismatch/kl"] < 1e-4, x
