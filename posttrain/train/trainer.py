@@ -105,9 +105,9 @@ def create_model(cfg: RunConfig, model_cfg: ModelConfig, mesh) -> CausalLM:
 
 def base_made_on_host(cfg: RunConfig) -> bool:
     """Whether a checkpoint is loaded and its LoRA int8 base made in host memory, then sent:
-    on an accelerator with `model.lora.int8_base` (a Qwen3-8B's bf16 weights are 16.4 GB, more
-    than a 16 GB TPU v5e holds beside nothing else; its int8 base is 8.2 GB). Elsewhere the
-    weights go to the devices as they load."""
+    on an accelerator with `model.lora.int8_base` (a Qwen3-8B's bf16 weights, 16.4 GB, are more
+    than a 16 GB TPU v5e holds; its int8 base is 8.2 GB). Elsewhere the weights go to the
+    devices as they load."""
     lora = cfg.model.lora
     return bool(lora.rank and lora.int8_base) and jax.default_backend() != "cpu"
 
