@@ -53,6 +53,7 @@ from posttrain.rollouts import (
 from posttrain.train.loop import prepare_tokenizer, resolve_model_config
 from posttrain.train.group import make_trainer
 from rollout.episodes import episode_metrics
+from rollout.jax_engine import JaxEngine
 
 
 def sync_engine(engine, trainer, model_cfg, version: int, sleep_level: int, sync_opts: dict) -> dict:
@@ -180,7 +181,7 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                 m.update(episode_metrics(rollouts) | (env.metrics() if env is not None else {}))
                 m.update({"policy_version": float(step + 1), "time/step": time.perf_counter() - t0,
                           **sync})
-                if isinstance(getattr(engine, "programs", None), set):  # the in-process JAX engine
+                if isinstance(engine, JaxEngine):  # in process: its compiled decode programs
                     m["rollout/decode_programs"] = float(len(engine.programs))
                 if cfg.eval.every and (step + 1) % cfg.eval.every == 0 or step + 1 == t.steps:
                     with dog.waiting(f"evaluation at step {step + 1}"):

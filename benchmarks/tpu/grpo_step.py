@@ -14,9 +14,10 @@ samples its end token, so every completion runs to the 256-token limit (the wors
 reward is ~0 (the step's cost does not depend on it). `--set` passes overrides to the recipe
 (e.g. `--set model.lora.rank=0`).
 
-Reported from the run's own metrics.jsonl: the median step over the steady steps (past the first, none compiling or loading a program; else those after the first two) and
-its phases (rollout, reward, logprob, update, sync), the tokens generated per second, and the
-programs compiled per step (`compile/count`). On the TPU machine (../shared/TPU.md), after
+Reported from the run's own metrics.jsonl: the median step over the steady steps (past the
+first, none compiling or loading a program; else those after the first two) and its phases
+(rollout, reward, logprob, update, sync), the tokens generated per second, and the programs
+compiled per step (`compile/count`). On the TPU machine (../shared/TPU.md), after
 `source .whl-tpu/setup.sh`, with `--out $OUT`; this process never opens the chip (the model is
 made on the CPU), the run's process does. `--dry-run`: a tiny shape and workload on CPU (the
 test suite runs it so the command stays working). `--peer tunix`: then Tunix's GRPO on the same

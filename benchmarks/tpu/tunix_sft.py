@@ -4,12 +4,14 @@
 
 Run by `benchmarks.tpu.train_step --peer tunix` in a process of its own (only Tunix's process
 gets Tunix on its path, and one process holds the chip at a time). Tunix as its docs set it up
-for a TPU: its own Qwen3 (`tunix.models.qwen3.model.Qwen3`, random weights of the 0.6B preset),
-bf16 compute over f32 parameters, its splash attention (`use_flash_attention`), its remat of the
-whole decoder layer; for `llama1b` its Llama 3 (3.2-1B preset; no splash or dtype option in it:
-f32, or bf16 parameters with `+bf16`), remat of the decoder layer; with `+loraR[+int8]` its
-Qwen3 (8B preset, bf16) with qwix LoRA adapters of rank R on every projection over an int8
-base, trained by the same `PeftTrainer` (adapters only); `PeftTrainer` (full fine-tuning) with AdamW, every position a real token.
+for a TPU, trained by its `PeftTrainer` with AdamW, every position a real token:
+- its own Qwen3 (`tunix.models.qwen3.model.Qwen3`, random weights of the 0.6B preset), bf16
+  compute over f32 parameters, its splash attention (`use_flash_attention`), its remat of the
+  whole decoder layer, full fine-tuning;
+- for `llama1b` its Llama 3 (3.2-1B preset; no splash or dtype option in it: f32, or bf16
+  parameters with `+bf16`), remat of the decoder layer;
+- with `+loraR[+int8]` its Qwen3 (8B preset, bf16) with qwix LoRA adapters of rank R on every
+  projection over an int8 base where its modules allow it (`tunix_qwen3_lora`); adapters only.
 Prints `@@` + JSON: median step seconds and tokens/s after 2 warm-up steps, peak HBM.
 """
 

@@ -348,10 +348,11 @@ def dense_heads(layer: nnx.Linear, x_bte: jax.Array, d: int, plain: bool = True)
     """`dense` of [B, T, E] to head-major [B, n, T, d]: one einsum over the kernel viewed as
     [E, n, d] (its variable keeps its [E, n*d] shape). XLA lays the product out for the heads
     directly, with no copy into splash's layout: the 0.6B 16k-token SFT step on a v5e, 22,580 ->
-    22,867 tokens/s against `dense` and transposes (BENCHMARKS.md). A layer qwix has adapted (LoRA adapters beside the
-    kernel, applied by intercepting the Linear's own matmul; an int8 kernel) goes through
-    `dense`, and so does every layer where `plain` is off (`ModelConfig.head_major_qkv`: int8
-    QAT fake-quantizes inside the call and leaves no mark on the module)."""
+    22,867 tokens/s against `dense` and transposes (BENCHMARKS.md). A layer qwix has adapted
+    (LoRA adapters beside the kernel, applied by intercepting the Linear's own matmul; an int8
+    kernel) goes through `dense`, and so does every layer where `plain` is off
+    (`ModelConfig.head_major_qkv`: int8 QAT fake-quantizes inside the call and leaves no mark
+    on the module)."""
     b, t, _ = x_bte.shape
     kernel = None if not plain or hasattr(layer, "kernel_lora_a") else layer.kernel[...]
     if not isinstance(kernel, jax.Array):
