@@ -304,7 +304,12 @@ def child_result(config: str, r: subprocess.CompletedProcess) -> dict:
     if r.returncode or "@@" not in r.stdout:
         tail = (r.stderr or r.stdout)[-600:]
         oom = "RESOURCE_EXHAUSTED" in tail or "Out of memory" in tail
-        return {"config": config, "error": "out of memory" if oom else tail}
+        if not oom:
+            return {"config": config, "error": tail}
+        # the allocator's own line says how much was asked for against what the chip had
+        said = [ln for ln in (r.stderr or r.stdout).splitlines()
+                if "RESOURCE_EXHAUSTED" in ln or "Out of memory" in ln]
+        return {"config": config, "error": "out of memory", "detail": said[-1][-300:]}
     return json.loads(r.stdout.split("@@")[-1])
 
 

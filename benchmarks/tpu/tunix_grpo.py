@@ -70,6 +70,11 @@ def main():
     # while-loop over a qwix LoRA model fails ("Cannot mutate Param from a different trace
     # level"). Both Tunix 0.1.7; one model config serves its rollout and its update.
     base, cfg, mesh = tunix_qwen3(args.tiny, 4096, jnp.bfloat16, "NONE")
+    # its splash path cannot serve its own sampler: a prefill of 32 tokens into the KV cache
+    # takes it (seq_len > 1) with 1024-blocks and a (T, T) mask against the cache's 288 keys
+    # (the chip: "q_block_size=1024 should divide q_seq_len=32"); the modules read the flag
+    # at call time, so XLA attention serves the rollout and the update alike
+    cfg.use_flash_attention = False
     with mesh:
         lora = qwix.LoraProvider(module_path=".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|"
                                  "down_proj)", rank=rank, alpha=2.0 * rank)
