@@ -338,6 +338,14 @@ class GRPOSection(Strict):
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     mu: int = Field(1, gt=0, description="updates per batch")
     mini_batches: int = Field(1, gt=0)
+    logp_old: Literal["trainer", "rollout"] = Field("trainer", description=(
+        "pi_old, what the ratio measures the update's move from: 'trainer' = the trainer scores "
+        "the batch once before its updates (a forward over every row; folded into the update's "
+        "own forward when mu = 1 and mini_batches = 1); 'rollout' = the log-probs the engine "
+        "returned with the samples (no scoring pass; verl's bypass mode: the ratio is against "
+        "the policy that actually sampled, so TIS has nothing left to correct). The "
+        "trainer/engine agreement (`mismatch/*`) is then read off the first mini-batch's "
+        "forward, before any update"))
     pack: bool = Field(True, description=(
         "pack several completions to a training row (segment ids keep attention within each) "
         "when that costs fewer token positions than padding every row to the longest"))
@@ -351,6 +359,12 @@ class GRPOSection(Strict):
     tis: TISSection = TISSection()
     dynamic_sampling: DynamicSampling = DynamicSampling()
     chat_template: bool = True
+
+    @property
+    def scores_old(self) -> bool:
+        """Whether the trainer scores pi_old in a pass of its own before the batch's updates
+        (`logp_old`: not with the engine's log-probs, nor with one update per batch)."""
+        return self.logp_old == "trainer" and not (self.mu == 1 and self.mini_batches == 1)
 
     def fixed_shapes(self, platform: str) -> bool:
         """Whether the update runs one fixed batch shape on `platform` (`shapes`)."""

@@ -481,7 +481,7 @@ def compile_train_step(cfg, mc, devices, keep_hlo: bool = False) -> dict:
             ("segment_ids", jnp.int32), ("loss_mask", jnp.float32))}
         if is_rl(cfg):
             batch.update({k: jax.ShapeDtypeStruct((rows, tl), jnp.float32, sharding=b2)
-                          for k in ("logp_old", "logp_rollout")})
+                          for k in ("logp_old", "logp_rollout")[0 if cfg.grpo.scores_old else 1:]})
             batch["advantages"] = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=b1)
             batch["kept_counts"] = jax.ShapeDtypeStruct((rows, tl), jnp.int32, sharding=b2)
             if cfg.grpo.beta > 0:

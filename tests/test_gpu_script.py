@@ -144,6 +144,9 @@ def test_tpu_grpo_step_dry_run_runs_the_one_chip_recipe(tmp_path):
     # are timed now: step 2 has one such completion of its 64)
     assert 15 < res["completion_tokens_mean"] <= 16 and res["steps_timed"] == 2
     assert res["compiles_per_step"][2:] == [0, 0]
+    # pi_old is the engine's (the recipe's `grpo.logp_old: rollout`): no scoring pass, and the
+    # trainer/engine agreement still measured, off the first mini-batch's forward
+    assert 0 <= res["mismatch_kl"] < 1e-2, res
 
 
 def test_tpu_sft_run_dry_run_compares_the_accelerator_with_the_cpu(tmp_path):

@@ -101,6 +101,9 @@ def summary(run_dir: Path, prompts: int, group: int) -> dict:
             **{p.split("/")[1] + "_s": statistics.median(r[p] for r in timed if p in r)
                for p in PHASES if any(p in r for r in timed)},
             "completion_tokens_mean": gen,
+            # the trainer's pi_old against the engine's log-probs (the first mini-batch's rows
+            # when pi_old is the engine's: `grpo.logp_old`)
+            "mismatch_kl": statistics.median(r.get("mismatch/kl", float("nan")) for r in timed),
             "generated_tokens_per_s": prompts * group * gen / step_s if gen else None,
             **compiles}
 

@@ -317,7 +317,9 @@ def truncated_is_weights(logp_old, logp_rollout, mask, level: str, cap: float, s
 
 
 def mismatch_metrics(logp_old: np.ndarray, logp_rollout: np.ndarray, mask: np.ndarray) -> dict:
-    m = mask > 0
+    """The trainer's pi_old against the engine's log-probs over the completion tokens
+    (positions the trainer did not score, NaN, are left out)."""
+    m = (mask > 0) & np.isfinite(logp_old)
     if not m.any():
         return {}
     diff = np.abs(logp_old - logp_rollout)[m]
@@ -346,13 +348,18 @@ def make_loss_fn(cfg):
     clip_low, clip_high = g.clip
 
     def loss_fn(model, batch):
-        """Without `logp_old` in the batch (one update per batch: the policy that the ratio
-        compares against is the current one), pi_old = stop_gradient(pi): the separate
-        log-prob pass is folded into this forward, and the trainer's log-probs come back
-        per row (`rows/logp`) for the mismatch metrics."""
+        """Without `logp_old` in the batch, pi_old is the engine's log-probs (`grpo.logp_old`
+        rollout) or, with one update per batch, the current policy itself
+        (stop_gradient(pi): the separate log-prob pass folded into this forward); either way
+        the trainer's log-probs come back per row (`rows/logp`) for the mismatch metrics."""
         out, router = policy_pass(model, batch, g, entropy=True)
         logp, log_mass = out["logp"], out.get("log_mass")
-        logp_old = batch["logp_old"] if "logp_old" in batch else jax.lax.stop_gradient(logp)
+        if "logp_old" in batch:
+            logp_old = batch["logp_old"]
+        elif g.logp_old == "rollout":
+            logp_old = batch["logp_rollout"]
+        else:
+            logp_old = jax.lax.stop_gradient(logp)
         mask = batch["loss_mask"]
         seqs = Seqs.of(batch)
         per_tok, aux = policy(logp, logp_old, batch["advantages"], mask, clip_low, clip_high,
@@ -360,7 +367,7 @@ def make_loss_fn(cfg):
         per_tok = per_tok * truncated_is_weights(logp_old, batch["logp_rollout"], mask,
                                                  g.tis.level, g.tis.cap, seqs)
         if "logp_old" not in batch:
-            aux["rows/logp"] = logp_old
+            aux["rows/logp"] = jax.lax.stop_gradient(logp)
         n_tok = jnp.maximum(mask.sum(), 1)
         if log_mass is not None:  # how much of the policy top-k / top-p leaves to sample from
             aux["sampling/kept_mass"] = (jnp.exp(log_mass) * mask).sum() / n_tok

@@ -31,7 +31,7 @@ def qwix_apply(model: CausalLM, provider, rngs=None) -> CausalLM:
 
     cfg = model.model.cfg
     if cfg.scan_layers and isinstance(provider, qwix.LoraProvider):
-        return _scanned_lora(model, provider, rngs)
+        return mark_lora_scale(_scanned_lora(model, provider, rngs), provider)
     model.model.cfg = cfg.model_copy(update={"remat": "none"})
     x = jnp.zeros((1, 8), jnp.int32)
     try:
@@ -42,7 +42,24 @@ def qwix_apply(model: CausalLM, provider, rngs=None) -> CausalLM:
     finally:
         model.model.cfg = cfg
     out.model.cfg = cfg
-    return out
+    return mark_lora_scale(out, provider)
+
+
+def mark_lora_scale(model, provider):
+    """Gives every Linear that qwix adapted the provider's LoRA scale (alpha / rank) as
+    `lora_scale`, so that `layers.dense_heads` can apply its adapters head-major itself; not
+    with LoRA dropout, or rules of other scales (qwix then applies them in the Linear's call)."""
+    import qwix
+    from flax import nnx
+
+    rules = provider._rules  # (qwix keeps them private)
+    if (not isinstance(provider, qwix.LoraProvider) or len({(r.alpha, r.rank) for r in rules}) != 1
+            or any(r.dropout for r in rules)):
+        return model
+    for _, m in nnx.iter_modules(model):
+        if isinstance(m, nnx.Linear) and hasattr(m, "kernel_lora_a"):
+            m.lora_scale = rules[0].alpha / rules[0].rank
+    return model
 
 
 def _scanned_lora(model: CausalLM, provider, rngs) -> CausalLM:

@@ -348,18 +348,27 @@ def dense_heads(layer: nnx.Linear, x_bte: jax.Array, d: int, plain: bool = True)
     """`dense` of [B, T, E] to head-major [B, n, T, d]: one einsum over the kernel viewed as
     [E, n, d] (its variable keeps its [E, n*d] shape). XLA lays the product out for the heads
     directly, with no copy into splash's layout: the 0.6B 16k-token SFT step on a v5e, 22,580 ->
-    22,867 tokens/s against `dense` and transposes (BENCHMARKS.md). A layer qwix has adapted
-    (LoRA adapters beside the kernel, applied by intercepting the Linear's own matmul; an int8
-    kernel) goes through `dense`, and so does every layer where `plain` is off
-    (`ModelConfig.head_major_qkv`: int8 QAT fake-quantizes inside the call and leaves no mark
-    on the module)."""
+    22,867 tokens/s against `dense` and transposes (BENCHMARKS.md). qwix's LoRA adapters over a
+    float kernel are applied here the same way, as qwix computes them ((x A) B alpha / r, the
+    adapters' f32 promoting the product), with B viewed [r, n, d]: the scale is the layer's
+    `lora_scale` (`posttrain.models.mark_lora_scale`). A layer qwix applies in its own call (an
+    int8 kernel, LoRA dropout) goes through `dense` and a transpose, and so does every layer
+    where `plain` is off (`ModelConfig.head_major_qkv`: int8 QAT fake-quantizes inside the call
+    and leaves no mark on the module)."""
     b, t, _ = x_bte.shape
-    kernel = None if not plain or hasattr(layer, "kernel_lora_a") else layer.kernel[...]
+    scale = getattr(layer, "lora_scale", None)
+    own_call = hasattr(layer, "kernel_lora_a") and scale is None
+    kernel = None if not plain or own_call else layer.kernel[...]
     if not isinstance(kernel, jax.Array):
         return dense(layer, x_bte).reshape(b, t, -1, d).transpose(0, 2, 1, 3)
     dt = layer.dtype or jnp.result_type(x_bte, kernel)
-    w = kernel.astype(dt).reshape(kernel.shape[0], -1, d)
-    return jnp.einsum("bte,ehd->bhtd", x_bte.astype(dt), w).astype(dt)
+    x = x_bte.astype(dt)
+    y = jnp.einsum("bte,ehd->bhtd", x, kernel.astype(dt).reshape(kernel.shape[0], -1, d))
+    if scale is not None:
+        lora_b = layer.kernel_lora_b[...]
+        xa = jnp.einsum("bte,er->btr", x, layer.kernel_lora_a[...])
+        y = y + jnp.einsum("btr,rhd->bhtd", xa, lora_b.reshape(lora_b.shape[0], -1, d)) * scale
+    return y.astype(dt)
 
 
 class LayerKV(NamedTuple):

@@ -116,3 +116,31 @@ def test_fused_logprob_pass_gives_the_same_update(tmp_path):
                     jax.random.key_data(jax.random.key(0)))
     _, m = jax.jit(make_train_step(graphdef, opt, loss_fn, 4))(st, fused)
     np.testing.assert_allclose(np.asarray(m["rows/logp"]), np.asarray(dev["logp_old"]), atol=1e-5)
+
+
+def test_the_engines_logprobs_as_pi_old_are_the_ratios_denominator(tmp_path):
+    """`grpo.logp_old: rollout`: no pi_old pass; the loss takes the engine's log-probs
+    (`logp_rollout`) as pi_old, so it equals the loss given them as `logp_old` (value and
+    gradient), differs from the trainer's pi_old when the two differ (the ratio moves), and
+    returns the trainer's own log-probs per row for the mismatch metrics."""
+    _, _, cfg, _, _, graphdef, params, rest, dev = setup(tmp_path, logp_old="rollout",
+                                                        mini_batches=2)
+    assert not cfg.grpo.scores_old  # the trainer skips its pass
+    loss_fn = make_loss_fn(cfg)
+    mask = dev["loss_mask"]
+    shifted = dev["logp_old"] - 0.3 * mask  # an engine that saw the tokens as less likely
+    bypass = {k: v for k, v in dev.items() if k != "logp_old"} | {"logp_rollout": shifted}
+    given = dict(bypass, logp_old=shifted)
+
+    def f(p, batch):
+        s, n, aux = loss_fn(nnx.merge(graphdef, p, rest), batch)
+        return s / n, aux
+
+    (l_bypass, aux), g_bypass = jax.value_and_grad(f, has_aux=True)(params, bypass)
+    (l_given, _), g_given = jax.value_and_grad(f, has_aux=True)(params, given)
+    (l_trainer, _), _ = jax.value_and_grad(f, has_aux=True)(params, dict(dev, logp_rollout=shifted))
+    assert abs(float(l_bypass) - float(l_given)) <= 1e-6
+    for a, b in zip(jax.tree.leaves(g_bypass), jax.tree.leaves(g_given)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+    assert abs(float(l_bypass) - float(l_trainer)) > 1e-3  # the ratio exp(0.3) against 1
+    np.testing.assert_allclose(np.asarray(aux["rows/logp"]), np.asarray(dev["logp_old"]), atol=1e-5)

@@ -83,12 +83,15 @@ def test_model_with_splash_attention_trains_as_with_xla():
         assert np.linalg.norm(a - w) <= 1e-5 * np.linalg.norm(w) + 1e-9, path
 
 
-@pytest.mark.parametrize("int8_base", [False, True], ids=["lora", "lora-int8"])
-def test_the_splash_path_runs_lora_adapters(int8_base):
-    """On the splash path q/k/v are read as plain kernels (`layers.dense_heads`) unless qwix
-    adapted the layer: a LoRA model (adapters trained, so they matter; over an int8 base too)
-    gives the same loss and adapter gradients with splash as with XLA attention, which goes
-    through the Linear's call. Were the adapters skipped, q and v would differ."""
+@pytest.mark.parametrize("int8_base,scan", [(False, False), (False, True), (True, False)],
+                         ids=["lora", "lora-scanned", "lora-int8"])
+def test_the_splash_path_runs_lora_adapters(int8_base, scan):
+    """On the splash path q/k/v are projected head-major (`layers.dense_heads`), LoRA adapters
+    over a float kernel included (applied there as qwix does, with the layer's `lora_scale`;
+    over an int8 base qwix applies them in the Linear's call): a LoRA model (adapters trained,
+    so they matter) gives the same loss and adapter gradients with splash as with XLA
+    attention, which goes through the Linear's call. Were the adapters skipped or mis-scaled,
+    q and v would differ."""
     from flax import nnx
 
     from posttrain.models import build_model
@@ -99,8 +102,11 @@ def test_the_splash_path_runs_lora_adapters(int8_base):
     b = {k: jnp.asarray(v[:2]) for k, v in batch(b=8, t=128).items()}
     out = {}
     for impl in ("xla", "splash"):
-        cfg = CFG.model_copy(update={"attention": impl, "scan_layers": False})
+        cfg = CFG.model_copy(update={"attention": impl, "scan_layers": scan})
         model = with_lora(build_model(cfg), int8_base=int8_base)
+        q_proj = model.model.layers[0].self_attn.q_proj if not scan else \
+            model.model.layers.self_attn.q_proj
+        assert q_proj.lora_scale == 2.0  # alpha / rank, for `dense_heads`
         graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
         f = lambda p: (lambda s, n, _: s / n)(*next_token_loss(nnx.merge(graphdef, p, rest), b))  # noqa: E731
         out[impl] = jax.value_and_grad(f)(lora)
