@@ -59,3 +59,14 @@ def _bounded_memory_maps():
     if _map_count() > _map_limit() // 3:
         jax.clear_caches()
         gc.collect()
+
+
+# ---- durations as they happen --------------------------------------------------------------------
+# `--durations` prints only when the session ends; a run cut short by a time limit (CI's) leaves
+# nothing. With POSTTRAIN_TEST_DURATIONS=FILE every test's phases append a line to FILE as each
+# ends: "seconds phase nodeid".
+def pytest_runtest_logreport(report):
+    path = os.environ.get("POSTTRAIN_TEST_DURATIONS")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{report.duration:.2f} {report.when} {report.nodeid}\n")

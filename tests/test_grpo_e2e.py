@@ -15,7 +15,7 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.train.e2e import Kill, compare_runs, faulted_run, metrics, run, run_together
+from tests.train.e2e import Kill, compare_runs, faulted_run, metrics, run, run_together, running
 
 RECIPE = "recipes/grpo_tiny.yaml"
 BASE = ["data.generated.max_operand=9", "stages.0.train.steps=150", "tracking.wandb.enabled=false"]
@@ -38,8 +38,7 @@ def with_base(base, run_dir):
     return run_dir
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("engine,placement,off_policy,top_p", [
+LEARNS = [
     # (plain top_p = 1 colocated runs are the crash-safety tests' and the probe tests'; vLLM in
     # Ray workers serves a trained policy at fp32 level after every sync in the LoRA test
     # below (vllm_nccl) and multi-turn episodes in tests/test_tools_e2e.py: its 16-step
@@ -49,16 +48,27 @@ def with_base(base, run_dir):
     # fp32 level (it was ~0.05 when the trainer used the full softmax against truncated samples).
     # vLLM's here; the JAX engine's kept sets are replayed through the same GRPO batch in
     # tests/rollout/test_engines.py::test_jax_engine_logprobs_match_trainer_under_truncation
-    ("vllm", "colocated", 0, 0.8)])
-def test_grpo_tiny_learns(base, tmp_path, engine, placement, off_policy, top_p):
-    d = with_base(base, tmp_path / "run")
-    run(RECIPE, d, GRPO + [f"stages.1.rollout.engine={engine}",
-                           f"stages.1.rollout.placement={placement}",
-                           f"stages.1.async.off_policy_steps={off_policy}",
-                           f"stages.1.grpo.top_p={top_p}",
-                           "stages.1.rollout.num_workers=2",
-                           "rewards.functions=[{fn: tests/rewards_for_tests.py:says_seven}]",
-                           "stages.1.rollout.enforce_eager=true"])  # quick vLLM start in tests
+    ("vllm", "colocated", 0, 0.8)]
+
+
+@pytest.mark.slow
+def test_grpo_tiny_learns(base, tmp_path):
+    """Each case of LEARNS learns; the runs go at the same time (`run_together`: their
+    start-up, compiles and Ray overlap: 180 s, against 120 s and 82 s one after the other)."""
+    runs = {}
+    for engine, placement, off_policy, top_p in LEARNS:
+        runs[engine] = (RECIPE, with_base(base, tmp_path / engine), GRPO + [
+            f"stages.1.rollout.engine={engine}", f"stages.1.rollout.placement={placement}",
+            f"stages.1.async.off_policy_steps={off_policy}", f"stages.1.grpo.top_p={top_p}",
+            "stages.1.rollout.num_workers=2",
+            "rewards.functions=[{fn: tests/rewards_for_tests.py:says_seven}]",
+            "stages.1.rollout.enforce_eager=true"])  # quick vLLM start in tests
+    run_together(*runs.values())
+    for engine, placement, off_policy, top_p in LEARNS:
+        assert_learned(runs[engine][1], placement, off_policy, top_p)
+
+
+def assert_learned(d, placement, off_policy, top_p):
     m = [x for x in metrics(d / "grpo") if x.get("reward_mean") is not None]
     assert len(m) == 16
     if placement == "disaggregated":  # the trainer's programs compile in step 1, never again
@@ -85,16 +95,17 @@ def test_grpo_tiny_learns(base, tmp_path, engine, placement, off_policy, top_p):
             assert k in x, k
 
 
-@pytest.mark.slow
 # LoRA over the Ray transports (object store, gloo) into JAX and vLLM workers is covered bucket
 # by bucket, with the probe, by tests/rollout/test_transfer.py::test_ray_transports_deliver_bitwise
 # (CI time: the merged export a JAX worker loads is the one vLLM's workers load, and vLLM in
 # process takes the same merged tensors as views: test_in_process_transport_into_vllm). vllm_nccl: two
 # vLLM workers in processes of their own take each sync through vLLM's NCCL engine (NCCL stood
 # in by gloo, `rollout.cuda_standins`), the second at the ranks after the first's.
-@pytest.mark.parametrize("engine,placement,transport", [
-    ("jax", "colocated", "auto"), ("vllm", "disaggregated", "vllm_nccl")])
-def test_grpo_with_lora_engines_serve_the_policy(base, tmp_path, engine, placement, transport):
+LORA_ENGINES = [("jax", "colocated", "auto"), ("vllm", "disaggregated", "vllm_nccl")]
+
+
+@pytest.mark.slow
+def test_grpo_with_lora_engines_serve_the_policy(base, tmp_path):
     """A LoRA policy (adapters over the SFT weights) trained by GRPO at lr 1e-3: every engine
     samples from W + (alpha / r) B A after each sync (the colocated JAX engine runs the
     trainer's LoRA modules; the others load merged weights), so the log-probs it reports equal
@@ -102,26 +113,35 @@ def test_grpo_with_lora_engines_serve_the_policy(base, tmp_path, engine, placeme
     probes pass each step. Before the fix the JAX engine's prefill and the loss's shared-prefix
     pass ran without the adapters: the adapters got no gradient there, and once they moved the
     JAX engine sampled from another policy (6.9e-3 .. 2.6e-2) while the probe passed."""
-    d = with_base(base, tmp_path / "run")
-    run(RECIPE, d, GRPO + ["stages.1.train.steps=4", "stages.1.checkpoint.every=0",
-                           "stages.1.model.lora.rank=8", "stages.1.model.lora.alpha=16",
-                           "stages.1.optimizer.learning_rate=1e-3",
-                           f"stages.1.rollout.engine={engine}",
-                           f"stages.1.rollout.placement={placement}",
-                           f"stages.1.rollout.transport={transport}",
-                           f"stages.1.rollout.num_workers={2 if transport == 'vllm_nccl' else 1}",
-                           "stages.1.rollout.bucket_mb=1",
-                           "rewards.functions=[{fn: tests/rewards_for_tests.py:says_seven}]",
-                           "stages.1.rollout.enforce_eager=true",
-                           # one update shape (the TPU's default), so nothing compiles after step 1,
-                           # and the probe and the held-out set in the rollout's decode program (as
-                           # on accelerators; 8 problems: the program's 8 prompts)
-                           *(["stages.1.grpo.shapes=fixed", "stages.1.rollout.reuse_programs=true",
-                              "stages.1.eval.num_problems=8",
-                              # two updates per batch: pi_old scored by the trainer's own pass
-                              # (the mismatch below is that pass against the engine)
-                              "stages.1.grpo.mini_batches=2"] if engine == "jax" else [])],
-        **({"POSTTRAIN_CUDA_STANDINS": "1"} if transport.startswith("vllm_") else {}))
+    runs = {}
+    for engine, placement, transport in LORA_ENGINES:
+        runs[engine] = with_base(base, tmp_path / engine), GRPO + [
+            "stages.1.train.steps=4", "stages.1.checkpoint.every=0",
+            "stages.1.model.lora.rank=8", "stages.1.model.lora.alpha=16",
+            "stages.1.optimizer.learning_rate=1e-3",
+            f"stages.1.rollout.engine={engine}",
+            f"stages.1.rollout.placement={placement}",
+            f"stages.1.rollout.transport={transport}",
+            f"stages.1.rollout.num_workers={2 if transport == 'vllm_nccl' else 1}",
+            "stages.1.rollout.bucket_mb=1",
+            "rewards.functions=[{fn: tests/rewards_for_tests.py:says_seven}]",
+            "stages.1.rollout.enforce_eager=true",
+            # one update shape (the TPU's default), so nothing compiles after step 1,
+            # and the probe and the held-out set in the rollout's decode program (as
+            # on accelerators; 8 problems: the program's 8 prompts)
+            *(["stages.1.grpo.shapes=fixed", "stages.1.rollout.reuse_programs=true",
+               "stages.1.eval.num_problems=8",
+               # two updates per batch: pi_old scored by the trainer's own pass
+               # (the mismatch below is that pass against the engine)
+               "stages.1.grpo.mini_batches=2"] if engine == "jax" else [])]
+    # both at once (`running`: 197 s, against 68 s and 180 s one after the other)
+    with running(RECIPE, *runs["vllm"], POSTTRAIN_CUDA_STANDINS="1"):
+        run(RECIPE, *runs["jax"])
+    for engine, placement, _ in LORA_ENGINES:
+        assert_served(runs[engine][0], engine, placement)
+
+
+def assert_served(d, engine, placement):
     m = [x for x in metrics(d / "grpo") if x.get("reward_mean") is not None]
     assert len(m) == 4
     if engine == "jax":  # the trainer, the engine, the sync and the probe in this process
@@ -162,12 +182,13 @@ def test_grpo_killed_twice_with_a_hung_reward_resumes_bitwise(base, tmp_path):
     each is counted and the step's reward time stays bounded."""
     over = RESUME + HANGING_REWARD + EPOCH_CHECKPOINTS
     a = with_base(base, tmp_path / "a")
-    run(RECIPE, a, over)
     b = with_base(base, tmp_path / "b")
     # weight_sync:3 is the sync after step 3 (checkpoint 2 stands); reward:6 the scoring of
     # step 7's rollouts in the second start (1: the dry run; resumed from 2: steps 3..7), when
     # checkpoint 6 may still be being written (then the restart resumes from 4)
-    rec = faulted_run(RECIPE, b, over, [Kill("weight_sync", 3), Kill("reward", 6)], stage="grpo")
+    with running(RECIPE, a, over):  # the uninterrupted run, beside the faulted one
+        rec = faulted_run(RECIPE, b, over, [Kill("weight_sync", 3), Kill("reward", 6)],
+                          stage="grpo")
     assert [r["delivered"] for r in rec] == [True, True] and rec[1]["checkpoint"] >= 4, rec
     assert compare_runs(a / "grpo", b / "grpo", ("reward_mean", "loss"))["steps"] == 8
     m = [x for x in metrics(a / "grpo") if "time/reward" in x]

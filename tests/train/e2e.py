@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,30 +42,36 @@ def run(recipe: str, run_dir: Path, overrides: list[str], devices: int | None = 
     return r
 
 
+@contextlib.contextmanager
+def running(recipe: str, run_dir: Path, overrides: list[str], devices: int | None = None,
+            **extra_env: str):
+    """A run in the background while the block runs, checked when the block ends; what a run
+    computes does not depend on what runs beside it. Its start-up, compiling and Ray overlap
+    the block's (on 2 cores, tiny-model runs are mostly one core's Python and compiles). The
+    run is killed if the block fails."""
+    err = tempfile.TemporaryFile("w+")
+    p = subprocess.Popen(cmd(recipe, run_dir, overrides), cwd=ROOT,
+                         env=env(devices, **extra_env), stdout=subprocess.DEVNULL, stderr=err,
+                         text=True)
+    try:
+        yield
+        p.wait(timeout=900)
+        err.seek(0)
+        assert p.returncode == 0, err.read()[-4000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        err.close()
+
+
 def run_together(*runs: tuple) -> None:
     """Independent runs at the same time, each `(recipe, run_dir, overrides[, devices])`, all
-    checked; what a run computes does not depend on what runs beside it. Their start-up,
-    compiling and Ray overlap (measured: ~50 s saved over the trainer-group tests); a run that
-    fails stops the others."""
-    import tempfile
-
-    procs = []
-    try:
+    checked (`running`; measured: ~50 s saved over the trainer-group tests); a run that fails
+    stops the others."""
+    with contextlib.ExitStack() as stack:
         for recipe, run_dir, overrides, *devices in runs:
-            err = tempfile.TemporaryFile("w+")
-            procs.append((subprocess.Popen(cmd(recipe, run_dir, overrides), cwd=ROOT,
-                                           env=env(*devices), stdout=subprocess.DEVNULL,
-                                           stderr=err, text=True), err))
-        for p, err in procs:
-            p.wait(timeout=900)
-            err.seek(0)
-            assert p.returncode == 0, err.read()[-4000:]
-    finally:
-        for p, err in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            err.close()
+            stack.enter_context(running(recipe, run_dir, overrides, *devices))
 
 
 def metrics(run_dir: Path) -> list[dict]:

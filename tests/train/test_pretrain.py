@@ -6,7 +6,7 @@ during evaluation) resumes to the same parameters, data order and per-step losse
 import numpy as np
 import pytest
 
-from tests.train.e2e import Kill, compare_runs, faulted_run, metrics, run
+from tests.train.e2e import Kill, compare_runs, faulted_run, metrics, running
 
 RECIPE = "recipes/pretrain_tiny.yaml"
 SHORT = ["train.steps=12", "checkpoint.every=4", "train.eval_every=6", "data.seq_len=64",
@@ -15,8 +15,10 @@ SHORT = ["train.steps=12", "checkpoint.every=4", "train.eval_every=6", "data.seq
 
 @pytest.mark.slow
 def test_pretrain_tiny_learns_and_resumes_bitwise(tmp_path):
-    a = tmp_path / "a"
-    run(RECIPE, a, SHORT)
+    a, b = tmp_path / "a", tmp_path / "b"
+    kills = [Kill("checkpoint_write", 3, corrupt=True), Kill("eval", 1)]
+    with running(RECIPE, a, SHORT):  # the uninterrupted run, beside the faulted one
+        rec = faulted_run(RECIPE, b, SHORT + ["checkpoint.every=2", "checkpoint.keep=3"], kills)
     m = metrics(a)
     assert m[-1]["loss"] < 0.5 * m[0]["loss"]
     evals = [x["eval_loss"] for x in m if x.get("eval_loss") is not None]
@@ -34,9 +36,6 @@ def test_pretrain_tiny_learns_and_resumes_bitwise(tmp_path):
     ref = torch_logits(AutoModelForCausalLM.from_pretrained(a / "hf").float().eval(), ids)
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
-    b = tmp_path / "b"
-    kills = [Kill("checkpoint_write", 3, corrupt=True), Kill("eval", 1)]
-    rec = faulted_run(RECIPE, b, SHORT + ["checkpoint.every=2", "checkpoint.keep=3"], kills)
     assert [r["delivered"] for r in rec] == [True, True], rec
     assert rec[0].get("corrupted") and rec[1]["fell_back"], rec  # fell back past the damage
     compare_runs(a, b, ("loss", "eval_loss"))
