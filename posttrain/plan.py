@@ -480,8 +480,9 @@ def compile_train_step(cfg, mc, devices, keep_hlo: bool = False) -> dict:
             ("tokens", jnp.int32), ("targets", jnp.int32), ("positions", jnp.int32),
             ("segment_ids", jnp.int32), ("loss_mask", jnp.float32))}
         if is_rl(cfg):
+            per_token = ("logp_old", "logp_rollout") if cfg.grpo.scores_old else ("logp_rollout",)
             batch.update({k: jax.ShapeDtypeStruct((rows, tl), jnp.float32, sharding=b2)
-                          for k in ("logp_old", "logp_rollout")[0 if cfg.grpo.scores_old else 1:]})
+                          for k in per_token})
             batch["advantages"] = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=b1)
             batch["kept_counts"] = jax.ShapeDtypeStruct((rows, tl), jnp.int32, sharding=b2)
             if cfg.grpo.beta > 0:

@@ -154,10 +154,6 @@ class Trainer:
             self.logprob_fn = make_logprob_fn(self.graphdef, g)
             # beta 0: no reference policy is kept
             self.ref_params = jax.tree.map(jnp.copy, params) if g.beta > 0 else None
-            # pi_old's pass of its own: not with one update per batch (pi_old is the policy
-            # being updated, read off the update's own forward) nor with the engine's log-probs
-            # as pi_old (`grpo.logp_old`): a whole forward pass less per step
-            self.scores_old = g.scores_old
         self.pair_ref_params, self.reference_fn = None, None  # DPO's (GRPO's: ref_params)
         if cfg.algorithm == "dpo":
             from posttrain.algorithms import dpo
@@ -223,15 +219,16 @@ class Trainer:
         return tot / max(cnt, 1.0)
 
     def update(self, batch: dict, rows: int | None = None) -> tuple[dict, np.ndarray]:
-        """One GRPO batch: log-probs of the old policy (`scores_old`) and the reference's, then
-        `mu` passes of `mini_batches` steps. Returns mean metrics (with the time split) and the
-        trainer's log-probs under pi_old per token [B, L] for the mismatch metrics (without
-        the pass of its own: the first mini-batch's rows, from its forward before any update;
-        the other rows NaN)."""
+        """One GRPO batch: log-probs of the old policy (`grpo.scores_old`: not with one update
+        per batch, whose own forward is pi_old, nor with the engine's log-probs as pi_old) and
+        the reference's, then `mu` passes of `mini_batches` steps. Returns mean metrics (with
+        the time split) and the trainer's log-probs under pi_old per token [B, L] for the
+        mismatch metrics (without the pass of its own: the first mini-batch's rows, from its
+        forward before any update; the other rows NaN)."""
         g = self.cfg.grpo
         t0 = time.perf_counter()
         dev = self.put(batch, rows)
-        if self.scores_old:
+        if g.scores_old:
             dev["logp_old"] = self.logprob_fn(self.state.params, self.state.frozen, dev)
         if self.ref_params is not None:
             dev["logp_ref"] = self.logprob_fn(self.ref_params, self.state.frozen, dev)
@@ -248,7 +245,7 @@ class Trainer:
                 ms.append(m)
         ms = host_value(ms)
         scored = [x.pop("rows/logp", None) for x in ms][0]
-        if self.scores_old:
+        if g.scores_old:
             logp_old = host_value(dev["logp_old"])
         else:
             logp_old = np.full((n_rows, scored.shape[1]), np.nan, np.float32)
