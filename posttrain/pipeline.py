@@ -41,6 +41,7 @@ import numpy as np
 from posttrain.algorithms import grpo as G
 from posttrain import compile_cache, faults, watchdog
 from posttrain.config import RunConfig
+from posttrain.errors import warn
 from posttrain.rollouts import (
     PromptIterator,
     build_batch,
@@ -132,6 +133,7 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                                              row_unit, fixed)}
 
             off_policy = cfg.async_.off_policy_steps > 0
+            warned_cut = False
             executor = ThreadPoolExecutor(1, thread_name_prefix="rollout") if off_policy else None
             tracker = Tracker(cfg, run_dir, t.steps, start)
             t0 = time.perf_counter()  # a step's wall time runs from the previous step's log
@@ -177,7 +179,15 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                 m.update(times)
                 m.update(job["scores"].metrics)
                 m.update(G.mismatch_metrics(logp_old, batch["logp_rollout"], batch["loss_mask"]))
-                m.update(step_metrics(rollouts, all_rewards, adv_mask, g.group_size, job["attempts"]))
+                m.update(step_metrics(rollouts, all_rewards, adv_mask, g.group_size, job["attempts"],
+                                      cfg.data.seq_len))
+                if m["completion_len/beyond_seq_len"] and not warned_cut:
+                    warned_cut = True
+                    warn(f"step {step + 1}: {m['completion_len/beyond_seq_len']:.1%} of the "
+                         f"completion tokens fall past data.seq_len ({cfg.data.seq_len}: prompt + "
+                         "completion longer than a row) and are not trained though their rewards "
+                         "count; raise data.seq_len or shorten the prompts "
+                         "(completion_len/beyond_seq_len each step)")
                 m.update(episode_metrics(rollouts) | (env.metrics() if env is not None else {}))
                 m.update({"policy_version": float(step + 1), "time/step": time.perf_counter() - t0,
                           **sync})
@@ -217,13 +227,17 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
 
 
 def step_metrics(rollouts, rewards: np.ndarray, adv_mask: np.ndarray, group: int,
-                 attempts: int) -> dict[str, float]:
-    """Rewards of the real (not filler) completions, lengths, sampling attempts, versions."""
+                 attempts: int, seq_len: int) -> dict[str, float]:
+    """Rewards of the real (not filler) completions, lengths, sampling attempts, versions, and
+    the share of completion tokens that fall past `seq_len` (`build_batch` cuts each row there:
+    those tokens are scored but never trained, a silent loss unless reported)."""
     lens = np.array([len(r.token_ids) for r in rollouts])
+    cut = sum(max(0, len(r.prompt_token_ids) + len(r.token_ids) - seq_len) for r in rollouts)
     real = rewards[adv_mask > 0] if (adv_mask > 0).any() else rewards
     return {"reward_mean": float(real.mean()), "reward_std": float(real.std()),
             "completion_len/mean": float(lens.mean()), "completion_len/max": float(lens.max()),
             "completion_len/clipped": float(np.mean([r.finish_reason == "length" for r in rollouts])),
+            "completion_len/beyond_seq_len": float(cut / max(1, lens.sum())),
             "sampling/attempts": float(attempts),
             "sampling/filled_groups": float((adv_mask == 0).sum() / group),
             "rollout/policy_version": float(min(r.version for r in rollouts))}

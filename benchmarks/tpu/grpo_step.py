@@ -8,8 +8,9 @@ samples, up to 256 new tokens, the colocated JAX engine with an int8 KV cache of
 sequences per decode program) run by `posttrain run` itself in a process of its own, with what
 this machine lacks replaced: a random model of the Qwen3-0.6B shape (the full 151,936-token
 vocabulary) written as an HF checkpoint, next to a BPE tokenizer trained on the generated
-arithmetic task, whose prompts (~20 tokens) replace GSM8K's; rows are padded to
-`data.seq_len` 384 (splash attention's 128-multiple above 20 + 256). A random policy never
+arithmetic task, whose prompts (~20 tokens, at most 32) replace GSM8K's; rows are padded to
+`data.seq_len` 288 = 32 + 256, as Tunix's are (splash pads to its 384-tile inside attention
+alone; the rows were 384 before 2026-12-07). A random policy never
 samples its end token, so every completion runs to the 256-token limit (the worst case) and the
 reward is ~0 (the step's cost does not depend on it). `--set` passes overrides to the recipe
 (e.g. `--set model.lora.rank=0`).
@@ -70,7 +71,7 @@ def recipe(model_dir: Path, run_dir: Path, steps: int, tiny: bool) -> dict:
     r.update(run_dir=str(run_dir), name="bench_grpo_0_6b")
     r["model"]["path"] = str(model_dir)
     r["data"] = {"source": "generated", "format": "prompt_completion",
-                 "seq_len": 128 if tiny else 384}
+                 "seq_len": 128 if tiny else 288}
     r["train"]["steps"] = steps
     r["rewards"] = {"functions": [{"fn": "math", "kwargs": {"fallback_last_number": True}}],
                     "num_workers": 2, "dry_run": False}

@@ -18,7 +18,7 @@ attention (`use_flash_attention`) for the update (no remat: see below), qwix LoR
 rollout engine (its own JAX sampler) colocated with the actor (shared weights: no sync), the
 tokenizer this repo trains for the task (`grpo_step.make_model`'s BPE). Differences kept: its
 KV cache is bf16 (Tunix's vanilla sampler has no int8 cache), its update sees rows padded to
-32 + 256 = 288 tokens (ours to 384, splash's multiple of 128 above 20 + 256).
+32 + 256 = 288 tokens (ours too since 2026-12-07; before, to 384, splash's tile).
 
 Timing: a stamp at the end of every `rl_cluster.update_actor` (Tunix calls it once per
 micro-batch); a step ends at its last call (calls per step = all calls / steps); step k = end k - end k-1; median after WARMUP steps.

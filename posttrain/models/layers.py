@@ -275,14 +275,15 @@ def building_for(platform: str, devices: int):
 
 def attention_impl(cfg: ModelConfig, t: int, cached: bool) -> str:
     """Which attention a call runs: `cfg.attention`, with `auto` resolved here, in one place.
-    Splash (the Pallas TPU kernel) serves calls without a KV cache (training, scoring) whose
-    length fills whole tiles of 128; `auto` picks it on a single TPU device (a mesh needs the
+    Splash (the Pallas TPU kernel) serves calls without a KV cache (training, scoring) of at
+    least one tile of 128 (a length between tiles is padded up inside the call,
+    `splash_attention`; shorter rows run XLA's); `auto` picks it on a single TPU device (a mesh needs the
     kernel under shard_map, not done yet), XLA's formulation elsewhere (CPU, GPU, a prefill into
     the cache). A decode step (one query token per row over the cache) runs the Pallas decode
     kernel only under `pallas`: on a v5e it was 2.7x slower than XLA's decode (BENCHMARKS.md)."""
     if cached:
         return "decode" if t == 1 and cfg.attention == "pallas" else "xla"
-    if t % 128:
+    if t < SPLASH_TILE:
         return "xla"
     if cfg.attention == "auto":
         return "splash" if target() == ("tpu", 1) else "xla"
@@ -307,6 +308,9 @@ def cached_decode_attention(q_bthd, kt_bkds, v_bksd, mask_bts, layer=None) -> ja
                             interpret=target()[0] != "tpu").reshape(b, 1, h * d)
 
 
+SPLASH_TILE = 128  # splash's key blocks are whole multiples of the TPU's 128 lanes
+
+
 def splash_block(t: int) -> int:
     """Splash's tile for a length-`t` chunk (a multiple of 128): the largest of SPLASH_BLOCK,
     512, 256 and 128 that divides it (a 1536-token chunk runs 512-wide tiles, not 128)."""
@@ -325,6 +329,15 @@ def splash_attention(q_bhtd, k_bktd, v_bktd, seg_bt) -> jax.Array:
     and every key in `dot_attention`: their outputs differ, and no real token reads them."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
+    b, h, t_in, d = q_bhtd.shape
+    pad = -t_in % SPLASH_TILE
+    if pad:  # a length between tiles: the kernel runs on the next whole tile; the padding
+        # comes after every real position, so the causal mask keeps it from every real query
+        # (whatever the segments). Only attention pays for it: the projections, MLP and head
+        # run at the row's own length (GRPO's 20 + 256-token rows: 288 positions, not 384).
+        q_bhtd, k_bktd, v_bktd = (jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0)))
+                                  for a in (q_bhtd, k_bktd, v_bktd))
+        seg_bt = jnp.pad(seg_bt, ((0, 0), (0, pad)))
     b, h, t, d = q_bhtd.shape
     kh = k_bktd.shape[1]
     g = h // kh
@@ -340,8 +353,8 @@ def splash_attention(q_bhtd, k_bktd, v_bktd, seg_bt) -> jax.Array:
     seg = sa.SegmentIds(q=seg_bt, kv=seg_bt)
     per_row = jax.vmap(kernel, in_axes=(0, 0, 0, None))  # over KV heads
     out = jax.vmap(per_row, in_axes=(0, 0, 0, sa.SegmentIds(0, 0)))(q, k_bktd, v_bktd, seg)
-    out = out.astype(q_bhtd.dtype).reshape(b, h, t, d)
-    return out.transpose(0, 2, 1, 3).reshape(b, t, h * d)
+    out = out.astype(q_bhtd.dtype).reshape(b, h, t, d)[:, :, :t_in]
+    return out.transpose(0, 2, 1, 3).reshape(b, t_in, h * d)
 
 
 def dense_heads(layer: nnx.Linear, x_bte: jax.Array, d: int, plain: bool = True) -> jax.Array:

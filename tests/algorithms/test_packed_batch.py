@@ -130,3 +130,20 @@ def test_packed_batch_gives_the_padded_loss_gradients_logprobs_and_metrics(tiny,
         for (path, a), (_, b) in zip(nnx.to_flat_state(g_x), nnx.to_flat_state(g_pad)):
             a, b = np.asarray(a[...]), np.asarray(b[...])
             assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b) + 1e-8, (name, path)
+
+
+def test_completion_tokens_past_seq_len_are_reported_not_silently_dropped():
+    """`build_batch` cuts each row at seq_len: the completion tokens past it get no loss. The
+    step's metrics say what share that is (and the run warns), so a too-short data.seq_len
+    shows instead of looking like a slow learner."""
+    from posttrain.pipeline import step_metrics
+
+    rs = rollouts(MIXED)  # prompts of 10-14 tokens, completions of 2-40
+    adv, rewards = np.ones(len(rs), np.float32), np.ones(len(rs))
+    total = sum(MIXED)
+    for seq_len in (64, 40, 30):
+        trained = build_batch(rs, adv, seq_len, G, fixed=True)["loss_mask"].sum()
+        m = step_metrics(rs, rewards, adv, G, 1, seq_len)
+        assert m["completion_len/beyond_seq_len"] == pytest.approx((total - trained) / total)
+    assert step_metrics(rs, rewards, adv, G, 1, 64)["completion_len/beyond_seq_len"] == 0
+    assert step_metrics(rs, rewards, adv, G, 1, 30)["completion_len/beyond_seq_len"] > 0

@@ -36,7 +36,8 @@ def xla_attention(q, k, v, seg, pos):
 
 
 @pytest.mark.parametrize("h,kh,t,block,fused", [
-    (4, 4, 128, 1024, True), (4, 2, 128, 1024, True), (4, 1, 128, 1024, True),
+    (4, 4, 128, 1024, True), (4, 2, 128, 1024, True),
+    (4, 1, 200, 1024, True),  # between tiles: padded to 256 inside the call
     (4, 2, 256, 128, False)])  # 2 x 2 tiles, dQ in a kernel of its own (the default fuses it)
 def test_splash_equals_xla_attention_values_and_gradients(monkeypatch, h, kh, t, block, fused):
     from posttrain.models import layers
@@ -162,7 +163,8 @@ def test_the_attention_is_chosen_in_one_place(monkeypatch):
     assert layers.attention_impl(pallas, 2048, cached=False) == "splash"
     assert layers.attention_impl(pallas, 1, cached=True) == "decode"  # the Pallas decode kernel
     assert layers.attention_impl(pallas, 16, cached=True) == "xla"  # a prefill into the cache
-    assert layers.attention_impl(splash, 100, cached=False) == "xla"  # not whole tiles
+    assert layers.attention_impl(splash, 100, cached=False) == "xla"  # under one tile
+    assert layers.attention_impl(splash, 288, cached=False) == "splash"  # padded to 384 inside
     monkeypatch.setattr(layers.jax, "default_backend", lambda: "tpu")
     monkeypatch.setattr(layers.jax, "device_count", lambda: 1)
     assert layers.attention_impl(auto, 2048, cached=False) == "splash"
