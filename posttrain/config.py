@@ -619,6 +619,16 @@ class RunConfig(Strict):
     trainer: TrainerSection = TrainerSection()
     plan: PlanSection = PlanSection()
 
+    @property
+    def head_window(self) -> int:
+        """Positions of a GRPO row the LM head needs (`build_batch`'s `head_index`): the span a
+        completion's loss can cover (grpo.max_tokens; a multi-turn episode's agent.max_tokens,
+        model and tool tokens together), rounded up to 8 (a sublane tile); 0 when that is the
+        whole row."""
+        span = self.agent.max_tokens if self.agent.enabled else self.grpo.max_tokens
+        w = -(-span // 8) * 8
+        return w if w < self.data.seq_len else 0
+
     @model_validator(mode="after")
     def _group_reaches_engines(self) -> "RunConfig":
         if self.trainer.hosts > 1 and self.algorithm == "grpo":

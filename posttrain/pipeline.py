@@ -130,7 +130,7 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                         "scores": scores, "attempts": attempts, "times": times,
                         "prompt_ids": prompt_ids,
                         "batch": build_batch(rollouts, adv, cfg.data.seq_len, g.group_size,
-                                             row_unit, fixed)}
+                                             row_unit, fixed, cfg.head_window)}
 
             off_policy = cfg.async_.off_policy_steps > 0
             warned_cut = False

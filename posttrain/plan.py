@@ -487,6 +487,9 @@ def compile_train_step(cfg, mc, devices, keep_hlo: bool = False) -> dict:
             batch["kept_counts"] = jax.ShapeDtypeStruct((rows, tl), jnp.int32, sharding=b2)
             if cfg.grpo.beta > 0:
                 batch["logp_ref"] = jax.ShapeDtypeStruct((rows, tl), jnp.float32, sharding=b2)
+            if cfg.head_window:  # the head on the completions' window (`build_batch`)
+                batch["head_index"] = jax.ShapeDtypeStruct((rows, cfg.head_window), jnp.int32,
+                                                           sharding=b2)
         state_sh = jax.tree.map(lambda x: x.sharding, state)
         step = jax.jit(make_train_step(graphdef, optimizer, loss_fn, cfg.train.grad_accum,
                                        lr_schedule(cfg.optimizer, steps)),

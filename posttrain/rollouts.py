@@ -152,7 +152,8 @@ def shared_prefix_len(rollouts, group_size: int, seq_len: int, bucket: int = 16)
 
 
 def build_batch(rollouts, advantages: np.ndarray, seq_len: int,
-                group_size: int = 1, row_unit: int = 0, fixed: bool = False) -> dict[str, np.ndarray]:
+                group_size: int = 1, row_unit: int = 0, fixed: bool = False,
+                head_window: int = 0) -> dict[str, np.ndarray]:
     """Rows = prompt + completion, right-padded to `batch_length`; masks/logprobs sit on the
     positions that *predict* each completion token (position t predicts token t+1). With
     `group_size` > 1 (rows i*G .. i*G + G-1 sampled from one prompt) the batch also carries
@@ -170,7 +171,14 @@ def build_batch(rollouts, advantages: np.ndarray, seq_len: int,
 
     With `fixed` every batch of b rollouts has one shape, [b, seq_len]: rows padded to
     `seq_len`, one per sequence, no shared prefix (`grpo.shapes: fixed`: one compile of the
-    update, where each costs more than the padding)."""
+    update, where each costs more than the padding).
+
+    With `head_window` W (`RunConfig.head_window`) and one sequence per row, the batch also
+    carries `head_index` [B, W]: the W consecutive positions of each row that hold all of its
+    loss (from its first completion position), so that the LM head runs on those alone
+    (`grpo.policy_pass`): GSM8K-like rows of 512 with 256-token completions put half the
+    head's matmuls and vocabulary passes on the prompt. Left out (the whole row's head) when
+    some row's loss spans more than W positions or W is the row."""
     b = len(rollouts)
     seq_len = seq_len if fixed else batch_length(rollouts, seq_len)
     seqs = [(r.prompt_token_ids + r.token_ids)[:seq_len] for r in rollouts]
@@ -213,7 +221,25 @@ def build_batch(rollouts, advantages: np.ndarray, seq_len: int,
            "advantages": adv if packed else advantages.astype(np.float32)}
     if n_shared and not packed:
         out["shared_prefix"] = tokens[:, :n_shared].copy()
+    if head_window and not packed and head_window < seq_len:
+        index = head_index(mask, head_window)
+        if index is not None:
+            out["head_index"] = index
     return out
+
+
+def head_index(mask: np.ndarray, w: int) -> np.ndarray | None:
+    """[B, w] positions per row covering every position of its `mask` (a window that starts at
+    the row's first masked position, moved left where it would run past the row's end), or None
+    when some row's masked positions span more than w."""
+    rows, t = mask.shape
+    on = mask != 0
+    first = np.where(on.any(1), on.argmax(1), 0)
+    last = np.where(on.any(1), t - 1 - on[:, ::-1].argmax(1), 0)
+    if (last - first + 1 > w).any():
+        return None
+    start = np.minimum(first, t - w)
+    return (start[:, None] + np.arange(w)).astype(np.int32)
 
 
 # ---- engines -------------------------------------------------------------------------------------

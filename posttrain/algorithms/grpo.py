@@ -410,16 +410,25 @@ def policy_pass(model, batch, g, entropy: bool = False):
     row's prefix states are the group's), with G - 1 of every G prefix passes left out (8 x 8
     completions after ~20-token prompts: 15% of the update's tokens). The plain pass when the
     (mini-/micro-)batch does not hold whole groups, or for MoE models (their router losses are
-    means over one pass's tokens)."""
+    means over one pass's tokens). With `head_index` [B, W] in the batch (`build_batch`) the
+    head runs on those W positions of each row alone; its outputs are 0 elsewhere."""
     from posttrain.train.step import chunked_head, head_chunk
 
     tokens, pos, seg = batch["tokens"], batch["positions"], batch["segment_ids"]
     b, t = tokens.shape
-    chunk = head_chunk(model.cfg, b, t)
+    window = batch.get("head_index")  # [B, W]: the positions that hold the rows' loss
+    fn = partial(head_outputs, g, entropy=entropy)
 
     def head(x_bte, lm_head):
-        return chunked_head(x_bte, lm_head, chunk, partial(head_outputs, g, entropy=entropy),
-                            batch["targets"], batch["kept_counts"])
+        per_position = (batch["targets"], batch["kept_counts"])
+        if window is None:
+            return chunked_head(x_bte, lm_head, head_chunk(model.cfg, b, t), fn, *per_position)
+        w = window.shape[1]
+        out = chunked_head(jnp.take_along_axis(x_bte, window[..., None], axis=1), lm_head,
+                           head_chunk(model.cfg, b, w), fn,
+                           *(jnp.take_along_axis(a, window, axis=1) for a in per_position))
+        rows = jnp.arange(b)[:, None]  # outside the window: 0 (no loss there)
+        return jax.tree.map(lambda y: jnp.zeros((b, t), y.dtype).at[rows, window].set(y), out)
 
     shared = batch.get("shared_prefix")
     group_size = g.group_size

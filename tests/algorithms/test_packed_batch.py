@@ -96,13 +96,18 @@ def test_packed_batch_gives_the_padded_loss_gradients_logprobs_and_metrics(tiny,
     rs = rollouts(MIXED)
     rewards = np.array([1, 0, 0, 1, 0, 1, 1, 0, 1, 1, 1, 0, 0, 0, 1, 0], float)
     adv = grpo_advantages(rewards, G)
-    batches = {name: {k: jnp.asarray(v) for k, v in
-                      build_batch(rs, adv, 128, G, unit, fixed=name == "fixed").items()}
-               for name, unit in (("padded", 0), ("packed", 1), ("fixed", 1))}
-    assert batches["packed"]["advantages"].ndim == 2
+    # "window": the head on the 40 positions that hold each row's completion (`head_index`),
+    # over the padded rows; "fixed" likewise over rows of seq_len (the TPU's layout)
+    layouts = {"padded": dict(row_unit=0), "packed": dict(row_unit=1),
+               "window": dict(row_unit=0, head_window=40),
+               "fixed": dict(row_unit=1, fixed=True, head_window=40)}
+    batches = {name: {k: jnp.asarray(v) for k, v in build_batch(rs, adv, 128, G, **kw).items()}
+               for name, kw in layouts.items()}
+    assert batches["packed"]["advantages"].ndim == 2 and "head_index" not in batches["packed"]
     # fixed shapes (`grpo.shapes: fixed`): every row padded to seq_len, no packing, no prefix
     assert batches["fixed"]["tokens"].shape == (len(rs), 128) and "shared_prefix" not in batches["fixed"]
-    assert batches["padded"]["tokens"].shape[1] < 128
+    assert batches["padded"]["tokens"].shape[1] < 128 and "head_index" not in batches["padded"]
+    assert batches["window"]["head_index"].shape == (len(rs), 40)
     graphdef, params, rest = nnx.split(tiny, nnx.Param, ...)
     loss_fn = make_loss_fn(cfg)
 
@@ -120,7 +125,7 @@ def test_packed_batch_gives_the_padded_loss_gradients_logprobs_and_metrics(tiny,
         out[name] = loss, aux, grads
     l_pad, a_pad, g_pad = out["padded"]
     assert float(a_pad["clip_fraction"]) > 0  # the case exercises clipping
-    for name in ("packed", "fixed"):
+    for name in ("packed", "window", "fixed"):
         l_x, a_x, g_x = out[name]
         # fp32, the same arithmetic in other shapes and orders (reduction order): ~1e-7 per op.
         np.testing.assert_allclose(float(l_x), float(l_pad), rtol=1e-5, err_msg=name)
@@ -130,6 +135,24 @@ def test_packed_batch_gives_the_padded_loss_gradients_logprobs_and_metrics(tiny,
         for (path, a), (_, b) in zip(nnx.to_flat_state(g_x), nnx.to_flat_state(g_pad)):
             a, b = np.asarray(a[...]), np.asarray(b[...])
             assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b) + 1e-8, (name, path)
+
+
+def test_the_head_window_covers_every_loss_position_or_is_left_out():
+    from posttrain.rollouts import head_index
+
+    rs = rollouts(MIXED)
+    adv = np.ones(len(rs), np.float32)
+    b = build_batch(rs, adv, 128, G, fixed=True, head_window=40)
+    idx, mask = b["head_index"], b["loss_mask"]
+    assert idx.shape == (len(rs), 40) and (np.diff(idx, axis=1) == 1).all() and idx.max() < 128
+    for row in range(len(rs)):
+        assert set(np.flatnonzero(mask[row])) <= set(idx[row]), row
+    # a completion longer than the window: no window (the whole row's head), nothing lost
+    assert "head_index" not in build_batch(rs, adv, 128, G, fixed=True, head_window=32)
+    # a window that would run past the row's end starts early enough to fit
+    m = np.zeros((2, 10)); m[0, 8:] = 1; m[1, :2] = 1
+    np.testing.assert_array_equal(head_index(m, 4), [[6, 7, 8, 9], [0, 1, 2, 3]])
+    assert head_index(m, 1) is None
 
 
 def test_completion_tokens_past_seq_len_are_reported_not_silently_dropped():

@@ -60,9 +60,11 @@ def test_shared_prefix_pass_gives_the_plain_loss_gradients_and_logprobs(tmp_path
     # from the prefix pass; group 1's rows attend over the prefix's repeated cache.
     rs = rollouts((32, 37))
     rewards = np.array([1, 0, 0, 1, 0, 1, 1, 0], float)
-    batch = {k: jnp.asarray(v) for k, v in build_batch(rs, grpo_advantages(rewards, G), 64, G).items()}
-    plain = {k: v for k, v in batch.items() if k != "shared_prefix"}
-    assert "shared_prefix" in batch
+    # and the head on each row's completion window alone (`head_index`) over the shared pass
+    batch = {k: jnp.asarray(v) for k, v in
+             build_batch(rs, grpo_advantages(rewards, G), 64, G, head_window=16).items()}
+    plain = {k: v for k, v in batch.items() if k not in ("shared_prefix", "head_index")}
+    assert "shared_prefix" in batch and batch["head_index"].shape == (2 * G, 16)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     loss_fn = make_loss_fn(cfg)
 
