@@ -216,7 +216,8 @@ def estimate(cfg, mc, mesh_sizes: dict[str, int], hbm: float) -> Estimate:
         trainable_f32 = sum(math.prod(local) * 4 for _, local, _ in shapes.values())
     # the gradient of the micro-batch, plus the accumulator when grad_accum > 1
     est.grads = trainable * (2 if cfg.train.grad_accum > 1 else 1)
-    est.optimizer = 2 * trainable_f32  # AdamW's two moments, f32 whatever the parameters' dtype
+    # AdamW's two moments, f32 whatever the parameters' dtype unless optimizer.moments_dtype
+    est.optimizer = 2 * trainable_f32 // (2 if cfg.optimizer.moments_dtype == "bfloat16" else 1)
     if is_rl(cfg) and cfg.grpo.beta > 0:
         est.reference = trainable
     c = 2 if mc.compute_dtype == "bfloat16" else 4

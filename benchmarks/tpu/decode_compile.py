@@ -52,7 +52,7 @@ def parse(config: str) -> tuple[str, int, int, int, dict]:
     return shape, b, p, new, {**o, **own}
 
 
-def run_one(config: str) -> dict:
+def run_one(config: str, save: str | None = None) -> dict:
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -92,6 +92,9 @@ def run_one(config: str) -> dict:
         t1 = time.perf_counter()
         compiled = lowered.compile()
         t2 = time.perf_counter()
+        if save:  # the compiled program, for `python -m benchmarks.tpu.hlo_cost --hlo`
+            Path(save).mkdir(parents=True, exist_ok=True)
+            (Path(save) / f"{config.replace(':', '_')}.hlo.txt").write_text(compiled.as_text())
     return {"config": config, "layers": cfg.num_hidden_layers, "scan_layers": o["scan"],
             "phases": list(phases), "kv_int8": o["int8"], "attention": o["attn"], "lower_s": t1 - t0,
             "compile_s": t2 - t1, "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
@@ -134,10 +137,12 @@ def main():
                     "0.6b:64x32+256+int8+phases=1,0.6b:128x128+128,0.6b:128x128+128+layers=4,"
                     "0.6b:128x128+128+step+layers=1")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--save-hlo", default=None,
+                    help="write each compiled program's text here (for benchmarks.tpu.hlo_cost --hlo)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one configuration
     args = ap.parse_args()
     if args.one:
-        print("@@" + json.dumps(run_one(args.one)))
+        print("@@" + json.dumps(run_one(args.one, args.save_hlo)))
         return
     lib = libtpu_path()
     if lib is None:
@@ -146,7 +151,8 @@ def main():
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     results = {"runs": []}
     for c in args.configs.split(","):
-        p = subprocess.run([sys.executable, "-m", "benchmarks.tpu.decode_compile", "--one", c],
+        p = subprocess.run([sys.executable, "-m", "benchmarks.tpu.decode_compile", "--one", c,
+                            *(["--save-hlo", args.save_hlo] if args.save_hlo else [])],
                            cwd=ROOT, env=env, capture_output=True, text=True, check=False)
         line = next((x for x in p.stdout.splitlines() if x.startswith("@@")), None)
         res = json.loads(line[2:]) if line else {"config": c, "error": p.stderr[-1500:]}

@@ -139,6 +139,8 @@ def compile_recipe(recipe: str, overrides: list[str], topology: str) -> str:
                            keep_hlo=True)
     if "oom" in x:
         raise SystemExit(f"{recipe}: the step does not fit {topology}: {x['oom']}")
+    print(f"XLA's program for {topology}: {x['total'] / 1e9:.2f} GB per device "
+          f"({x['temp'] / 1e9:.2f} of temporaries)")
     return x["hlo"]
 
 

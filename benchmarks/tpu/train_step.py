@@ -5,7 +5,8 @@
                                         [--params f32|bf16] [--profile]
 
 A configuration is SHAPE:BATCHxSEQ with optional `+` options that override the flags for it
-alone: `+bf16` (bf16 parameters; Adam moments stay f32: `init_opt_state`), `+remat=POLICY`, `+attn=IMPL`,
+alone: `+bf16` (bf16 parameters; Adam moments stay f32: `init_opt_state`), `+moments=bf16` (Adam's
+moments stored in bf16: `optimizer.moments_dtype`, what Tunix's optax keeps for bf16 parameters), `+remat=POLICY`, `+attn=IMPL`,
 `+chunk=N` (head chunk tokens), `+unroll` (unrolled layers instead of a scan), `+block=N`
 (splash attention's tiles), `+fused=0|1` (splash's fused backward kernel), `+effort=X` (XLA's execution-time
 optimisation effort, -1 to 1: `train.compile_effort`), `+headfuse=0` (the loss through the
@@ -215,7 +216,7 @@ def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
 
     from posttrain.models.layers import attention_impl
     from posttrain.plan import program_bytes
-    from posttrain.train.optimizer import init_opt_state
+    from posttrain.train.optimizer import init_opt_state, state_in_dtype
     from posttrain.train.step import TrainState, head_chunk as chunk_of, make_train_step, \
         next_token_loss
 
@@ -230,6 +231,8 @@ def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
     n_params = sum(x.size for x in jax.tree.leaves(params))
     n_matmul = cfg.matmul_params()
     opt = optax.adamw(1e-4)
+    if o["moments"] == "bf16":  # optimizer.moments_dtype: bfloat16
+        opt = state_in_dtype(opt, jnp.bfloat16)
     state = TrainState(params, rest, init_opt_state(opt, params), jnp.zeros((), jnp.int32),
                        jax.random.key_data(jax.random.key(0)))
     rng = np.random.default_rng(0)
@@ -276,6 +279,7 @@ def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
            "compile_effort": o["effort"],
            "fused_head_loss": cfg.fused_head_loss,
            "attention": attention_impl(cfg, seq, False), "params_dtype": o["params"],
+           "moments_dtype": "bf16" if o["moments"] == "bf16" else "f32",
            "lora_rank": o["lora"], "int8_base": bool(o["lora"] and o["int8"]),
            "trainable_params": int(n_params), "matmul_params": int(n_matmul),
            "step_s": dt, "tokens_per_s": tps, "tflops": flops / 1e12,
@@ -372,7 +376,7 @@ def main():
     defaults = dict(head_chunk=args.head_chunk, remat=args.remat, attention=args.attention,
                     params=args.params, lora=0, int8=False, profile=args.profile, dpo=False,
                     unroll=False, fused=int(SPLASH_FUSED_BWD), block=SPLASH_BLOCK,
-                    effort=0.0, headfuse=1, headmajor=1)
+                    effort=0.0, headfuse=1, headmajor=1, moments="f32")
     if args.one:
         shape, b, t, o = parse_config(args.one, defaults)
         print("@@" + json.dumps(run_one(shape, b, t, args.steps, o)))

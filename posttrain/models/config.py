@@ -25,7 +25,7 @@ class RopeScaling(BaseModel):
 
 # remat policies by name (`transformer.REMAT_POLICIES`); the recipe's `model.remat` takes the same
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_out_proj",
-                      "save_qkvo", "save_attention"]
+                      "save_qkvo", "save_attention", "save_qkvo_attention"]
 
 
 class ModelConfig(BaseModel):

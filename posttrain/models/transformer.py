@@ -33,6 +33,10 @@ REMAT_POLICIES = {
     # and the splash kernel's output and log-sum-exp (its residuals, named "attention" by
     # `layers.splash_attention`): the backward reruns the projections, not the kernel
     "save_attention": jax.checkpoint_policies.save_only_these_names("attention"),
+    # all three: the backward reruns the MLP alone (MaxText's save_dot_except_mlp, with the
+    # kernel's residuals kept too)
+    "save_qkvo_attention": jax.checkpoint_policies.save_only_these_names(
+        "qkv_proj", "out_proj", "attention"),
 }
 
 

@@ -37,9 +37,31 @@ def make_optimizer(opt: OptimizerSection, total_steps: int) -> optax.GradientTra
     parts = []
     if opt.grad_clip is not None:
         parts.append(optax.clip_by_global_norm(opt.grad_clip))
-    parts.append(optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                             weight_decay=opt.weight_decay, mask=_decay_mask))
+    adam = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                       weight_decay=opt.weight_decay, mask=_decay_mask)
+    parts.append(adam if opt.moments_dtype == "float32" else
+                 state_in_dtype(adam, jnp.dtype(opt.moments_dtype)))
     return optax.chain(*parts)
+
+
+def state_in_dtype(inner: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+    """`inner` with its floating-point state (Adam's moments) stored in `dtype` between steps.
+    Each update computes in what its inputs promote to (f32, from the step's f32 gradients) and
+    casts the new state back, so the state's dtypes never change (a change would recompile the
+    step and break its donation)."""
+
+    def cast(tree):
+        return jax.tree.map(lambda x: x.astype(dtype)
+                            if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+    def init(params):
+        return cast(inner.init(params))
+
+    def update(updates, state, params=None):
+        updates, state = inner.update(updates, state, params)
+        return updates, cast(state)
+
+    return optax.GradientTransformation(init, update)
 
 
 def opt_state_shardings(opt_abstract, params):
@@ -68,8 +90,8 @@ def opt_state_shardings(opt_abstract, params):
 
 def init_opt_state(optimizer: optax.GradientTransformation, params):
     """optimizer.init(params), sharded like the parameters (see opt_state_shardings), its
-    moments in f32 whatever the parameters' dtype: bf16 parameters train with f32 Adam
-    moments. (The step's gradients are f32, divided by the f32 token count, so moments made in
+    moments in f32 whatever the parameters' dtype (bf16 parameters train with f32 Adam
+    moments), unless the optimizer stores them in another (`optimizer.moments_dtype`). (The step's gradients are f32, divided by the f32 token count, so moments made in
     bf16 would turn f32 after the first update anyway: a second compile and, donated, a
     mismatch.)"""
     init = f32_moments_init(optimizer)

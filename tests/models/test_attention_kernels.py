@@ -121,7 +121,8 @@ def test_save_attention_saves_the_splash_kernels_output_for_the_backward(capsys)
     "attention" by the kernel) for the backward, which then reruns the projections but not the
     kernel's forward (XLA drops it: one forward kernel in the v5e program instead of two,
     `tests/test_gpu_script.py::test_tpu_hlo_cost_reads_the_compilers_estimates_per_loop`; 49 ms
-    of a 716 ms 0.6B step on the chip); the loss and gradients equal remat full's."""
+    of a 716 ms 0.6B step on the chip); the loss and gradients equal remat full's. The same for
+    `save_qkvo_attention`, which keeps the projections' outputs as well."""
     from flax import nnx
     from jax.ad_checkpoint import print_saved_residuals
 
@@ -131,7 +132,7 @@ def test_save_attention_saves_the_splash_kernels_output_for_the_backward(capsys)
 
     b = {k: jnp.asarray(v[:2]) for k, v in batch(b=8, t=128).items()}
     out = {}
-    for remat in ("full", "save_attention"):
+    for remat in ("full", "save_attention", "save_qkvo_attention"):
         cfg = CFG.model_copy(update={"attention": "splash", "remat": remat, "scan_layers": False})
         graphdef, params = nnx.split(build_model(cfg), nnx.Param)
         f = lambda p: (lambda s, n, _: s / n)(*next_token_loss(nnx.merge(graphdef, p), b))  # noqa: E731
@@ -140,12 +141,13 @@ def test_save_attention_saves_the_splash_kernels_output_for_the_backward(capsys)
         saved = [ln for ln in capsys.readouterr().out.splitlines() if "_splash_attention" in ln]
         out[remat] = jax.value_and_grad(f)(params), saved
     assert out["full"][1] == []
-    assert len(out["save_attention"][1]) == 2 * CFG.num_hidden_layers  # output, log-sum-exp
-    (l_s, g_s), (l_f, g_f) = out["save_attention"][0], out["full"][0]
-    np.testing.assert_allclose(float(l_s), float(l_f), rtol=1e-6)
-    for (path, a), (_, w) in zip(nnx.to_flat_state(g_s), nnx.to_flat_state(g_f)):
-        a, w = np.asarray(a[...]), np.asarray(w[...])
-        assert np.linalg.norm(a - w) <= 1e-5 * np.linalg.norm(w) + 1e-9, path
+    for remat in ("save_attention", "save_qkvo_attention"):
+        assert len(out[remat][1]) == 2 * CFG.num_hidden_layers  # output, log-sum-exp
+        (l_s, g_s), (l_f, g_f) = out[remat][0], out["full"][0]
+        np.testing.assert_allclose(float(l_s), float(l_f), rtol=1e-6)
+        for (path, a), (_, w) in zip(nnx.to_flat_state(g_s), nnx.to_flat_state(g_f)):
+            a, w = np.asarray(a[...]), np.asarray(w[...])
+            assert np.linalg.norm(a - w) <= 1e-5 * np.linalg.norm(w) + 1e-9, path
 
 
 def test_the_attention_is_chosen_in_one_place(monkeypatch):
