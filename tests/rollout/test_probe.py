@@ -308,3 +308,22 @@ def test_the_probe_samples_in_the_rollouts_program_and_still_catches_a_stale_eng
     eng.update_weights(nnx.state(from_pretrained(d)), 3)  # the old weights again
     with pytest.raises(WeightSyncError, match="version 3"):
         check_probe([eng], trained, PROBE, 3)
+
+
+def test_every_probe_request_is_scored_in_one_program(models):
+    """The probe's teacher-forced sequences and both kinds of sampled re-scores (even and odd
+    versions: `rollout.engine.sampling_request`) run one scoring program per model: on a TPU each
+    further shape was a compile of 7-22 s in a cold run's first steps."""
+    from rollout.engine import PROBE_NEW_TOKENS, sampling_request
+    from rollout.jax_engine import _score
+
+    _, trained = models
+    _score.clear_cache()
+    requests = [PROBE]
+    for version in (0, 1):
+        prompts, sp = sampling_request(PROBE, version)
+        requests.append([p + [7] * sp.max_tokens for p in prompts for _ in range(sp.n)])
+    assert max(len(s) for r in requests for s in r) == 14 + PROBE_NEW_TOKENS
+    for r in requests:
+        assert len(score_sequences(trained, r)) == len(r)
+    assert _score._cache_size() == 1
