@@ -325,27 +325,37 @@ def layer_unstacker(cfg: ModelConfig, lora_scale: float | None = None):
 
     def unstack_tree(state):
         src = {tuple(p): v for p, v in nnx.to_flat_state(state)}
-        out = []
-        def get(at, layer):
-            value = src[at].get_value()
-            return value if layer is None else value[layer]
+        out, whole = [], {}
 
-        for path, var in like:
-            at, layer = source(path)
+        def effective(at, dtype):
+            """The leaf at `at`, all its layers at once, an int8 base dequantized and LoRA
+            adapters merged; None when the state lacks it. One batched op per kind of kernel,
+            then sliced: merged layer by layer, the 0.6B LoRA policy's program held 596 fusions
+            and compiled for a v5e in 67 s on a 2-core CPU (21 s on the TPU host, in a cold
+            GRPO run's first sync); stacked, 43 fusions in 2.7 s."""
             q = at + ("array", "qvalue"), at + ("array", "scale")
             if at in src:
-                value = get(at, layer)
+                value = src[at].get_value()
             elif q[0] in src:  # an int8 base: dequantized, as checkpoints load it
-                value = dequantize(*(get(k, layer) for k in q)).astype(var.dtype)
+                value = dequantize(*(src[k].get_value() for k in q)).astype(dtype)
             else:
-                continue
+                return None
             lora = at[:-1] + (f"{at[-1]}_lora_a",), at[:-1] + (f"{at[-1]}_lora_b",)
             if lora[0] in src:
                 if lora_scale is None:
                     raise ValueError(f"{'.'.join(map(str, at))}: a LoRA kernel, but no "
                                      "lora_scale (alpha / rank) to merge its adapters with")
-                value = merge_lora(value, *(get(k, layer) for k in lora), lora_scale)
-            out.append((path, var.replace(value)))
+                value = merge_lora(value, *(src[k].get_value() for k in lora), lora_scale)
+            return value
+
+        for path, var in like:
+            at, layer = source(path)
+            if at not in whole:
+                whole[at] = effective(at, var.dtype)
+            value = whole[at]
+            if value is None:
+                continue
+            out.append((path, var.replace(value if layer is None else value[layer])))
         return nnx.from_flat_state(out)
 
     _unstack = jax.jit(unstack_tree)

@@ -327,3 +327,27 @@ def test_every_probe_request_is_scored_in_one_program(models):
     for r in requests:
         assert len(score_sequences(trained, r)) == len(r)
     assert _score._cache_size() == 1
+
+
+def test_a_scanned_lora_policy_is_merged_once_per_kernel_for_the_engines_twin(models):
+    """`layer_unstacker` merges a scanned LoRA policy's adapters for the engine's unrolled twin
+    in one batched product per adapted kernel, not one per layer (merged layer by layer, the
+    0.6B policy's program held 596 fusions and compiled for a v5e in 67 s; 43 and 2.7 s now),
+    and each layer's kernel is still W + (alpha / r) A B of that layer's slices (numpy)."""
+    from posttrain.models.transformer import layer_unstacker
+
+    d, _ = models
+    policy = with_lora(from_pretrained(d, scan_layers=True))
+    _, state = nnx.split(policy)
+    _, unstack = layer_unstacker(policy.cfg, lora_scale=2.0)
+    assert str(jax.make_jaxpr(unstack)(state)).count("dot_general") == 3  # q, v, down
+    twin = {tuple(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(unstack(state))}
+    flat = {tuple(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state)}
+    layers = policy.cfg.num_hidden_layers
+    assert layers > 1
+    at = ("model", "layers", "self_attn", "q_proj")
+    for i in range(layers):
+        w, a, b = (flat[at + (k,)][i] for k in ("kernel", "kernel_lora_a", "kernel_lora_b"))
+        want = w.astype(np.float64) + 2.0 * a.astype(np.float64) @ b.astype(np.float64)
+        got = twin[("model", "layers", i, "self_attn", "q_proj", "kernel")]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
