@@ -191,7 +191,8 @@ def test_bf16_adam_moments_halve_the_planned_optimizer_state():
     for dtype in ("float32", "bfloat16"):
         cfg = load_recipe(str(ROOT / "recipes/sft_qwen3_0_6b_v5e.yaml"),
                           [*base, f"optimizer.moments_dtype={dtype}"])[-1]
-        got[dtype] = estimate(cfg, model_config_for_plan(cfg), {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}, 16 * GB).optimizer
+        mesh = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
+        got[dtype] = estimate(cfg, model_config_for_plan(cfg), mesh, 16 * GB).optimizer
     params = 128256 * 2048 + 16 * (2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8192 + 2 * 2048) \
         + 2048  # tied embedding, 16 layers, the final norm
     assert got["float32"] == 8 * params and got["bfloat16"] == 4 * params

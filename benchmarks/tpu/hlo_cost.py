@@ -8,7 +8,8 @@ The first form compiles the recipe's real train step for a TPU topology on this 
 program saved elsewhere (`benchmarks.tpu.train_step`'s `+profile` writes the one the chip ran).
 The TPU compiler annotates each op with `estimated_cycles`; this sums them per loop (a scanned
 model's forward and backward layer loops, the LM head's chunks: an op's estimate times its
-loop's trip count; of a conditional's branches, the costliest) and lists the costliest ops with the JAX operation they come from.
+loop's trip count; of a conditional's branches, the costliest) and lists the costliest ops with
+the JAX operation they come from.
 
 How far to trust it (checked against the chip's profile of the same program, BENCHMARKS.md):
 the matmul fusions' estimates are within 0.8-1.2x of the chip; element-wise, copy and
@@ -103,7 +104,7 @@ def read_program(text: str) -> Program:
             if opcode == "conditional":  # the costliest branch (a sampler's cond: greedy or not)
                 branches = re.search(r"branch_computations=\{([^}]*)\}", line)
                 names = ([b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches
-                         else [re.search(r"%s_computation=%([\w.\-]+)" % k, line).group(1)
+                         else [re.search(k + r"_computation=%([\w.\-]+)", line).group(1)
                                for k in ("true", "false")])
                 before, costs = len(prog.ops), []
                 for b in names:

@@ -5,8 +5,9 @@
                                         [--params f32|bf16] [--profile]
 
 A configuration is SHAPE:BATCHxSEQ with optional `+` options that override the flags for it
-alone: `+bf16` (bf16 parameters; Adam moments stay f32: `init_opt_state`), `+moments=bf16` (Adam's
-moments stored in bf16: `optimizer.moments_dtype`, what Tunix's optax keeps for bf16 parameters), `+remat=POLICY`, `+attn=IMPL`,
+alone: `+bf16` (bf16 parameters; Adam moments stay f32: `init_opt_state`), `+moments=bf16`
+(Adam's moments stored in bf16: `optimizer.moments_dtype`, what Tunix's optax keeps for bf16
+parameters), `+remat=POLICY`, `+attn=IMPL`,
 `+chunk=N` (head chunk tokens), `+unroll` (unrolled layers instead of a scan), `+block=N`
 (splash attention's tiles), `+fused=0|1` (splash's fused backward kernel), `+effort=X` (XLA's execution-time
 optimisation effort, -1 to 1: `train.compile_effort`), `+headfuse=0` (the loss through the
@@ -233,6 +234,8 @@ def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
     opt = optax.adamw(1e-4)
     if o["moments"] == "bf16":  # optimizer.moments_dtype: bfloat16
         opt = state_in_dtype(opt, jnp.bfloat16)
+    elif o["moments"] != "f32":
+        raise SystemExit(f"+moments={o['moments']}: f32 or bf16")
     state = TrainState(params, rest, init_opt_state(opt, params), jnp.zeros((), jnp.int32),
                        jax.random.key_data(jax.random.key(0)))
     rng = np.random.default_rng(0)
@@ -279,7 +282,7 @@ def run_one(shape: str, batch: int, seq: int, steps: int, o: dict) -> dict:
            "compile_effort": o["effort"],
            "fused_head_loss": cfg.fused_head_loss,
            "attention": attention_impl(cfg, seq, False), "params_dtype": o["params"],
-           "moments_dtype": "bf16" if o["moments"] == "bf16" else "f32",
+           "moments_dtype": o["moments"],
            "lora_rank": o["lora"], "int8_base": bool(o["lora"] and o["int8"]),
            "trainable_params": int(n_params), "matmul_params": int(n_matmul),
            "step_s": dt, "tokens_per_s": tps, "tflops": flops / 1e12,

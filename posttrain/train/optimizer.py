@@ -90,10 +90,11 @@ def opt_state_shardings(opt_abstract, params):
 
 def init_opt_state(optimizer: optax.GradientTransformation, params):
     """optimizer.init(params), sharded like the parameters (see opt_state_shardings), its
-    moments in f32 whatever the parameters' dtype (bf16 parameters train with f32 Adam
-    moments), unless the optimizer stores them in another (`optimizer.moments_dtype`). (The step's gradients are f32, divided by the f32 token count, so moments made in
-    bf16 would turn f32 after the first update anyway: a second compile and, donated, a
-    mismatch.)"""
+    moments in f32 whatever the parameters' dtype: bf16 parameters train with f32 Adam moments
+    unless the optimizer stores them in another (`optimizer.moments_dtype`, `state_in_dtype`).
+    (The step's gradients are f32, divided by the f32 token count, so moments made in bf16
+    without `state_in_dtype` would turn f32 after the first update: a second compile and,
+    donated, a mismatch.)"""
     init = f32_moments_init(optimizer)
     abstract = jax.eval_shape(init, params)
     return jax.jit(init, out_shardings=opt_state_shardings(abstract, params))(params)

@@ -170,8 +170,7 @@ def test_an_int8_lora_base_made_on_the_host_equals_the_one_made_on_the_device(tm
 def test_bf16_adam_moments_stay_bf16_and_train_like_f32_moments():
     """`optimizer.moments_dtype: bfloat16`: Adam's moments are bf16 from init through jitted,
     donated steps (a state turning f32 after its first update would recompile the step), and
-    five steps move the parameters as f32 moments do within bf16's
-    rounding. Tolerance 2e-2 of the update's norm: each stored moment is rounded to 8 bits of
+    five steps move the parameters as f32 moments do within bf16's rounding. Tolerance 2e-2 of the update's norm: each stored moment is rounded to 8 bits of
     mantissa (2^-9 relative) and the update mu / sqrt(nu) compounds both over five steps (~1%);
     a wrong moment (a dropped bias correction, nu in place of mu) moves it by 10% or more."""
     from posttrain.config import OptimizerSection
