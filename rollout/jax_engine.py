@@ -28,6 +28,7 @@ from flax import nnx
 from posttrain.data.packing import bucket_up, packed_rows
 from posttrain.models.export import host_array
 from posttrain.models.hf import our_path, our_tensors
+from posttrain.models.layers import keys_slot_major
 from posttrain.models.loading import set_params
 from posttrain.models.transformer import CausalLM, KVCache, layer_unstacker
 from posttrain.train.step import token_logprobs
@@ -126,7 +127,7 @@ def _generate(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p
          jnp.zeros((b,), bool), jnp.zeros((b,), jnp.int32))
     for j, end in enumerate(ends):
         if j:  # room for this phase's tokens
-            c = (c[0], c[1].grow(tp + end)) + c[2:]
+            c = (c[0], c[1].grow(tp + end, model.cfg)) + c[2:]
         c = jax.lax.while_loop(partial(cond, end=end), body, c)
     # the last token (rows already done record nothing: their token is 0 and n stays)
     _, (_, _, _, out_t, out_lp, out_k, _, n) = emit(c)
@@ -208,7 +209,7 @@ def _packed_prefill(model, packing, lens_b, slots: int, kv_dtype=None):
     src = jnp.minimum(offset[:, None] + j, t - 1)  # [U, T]: the packed slot of prompt i's token j
     valid = j[None, :] < lens_b[:, None]
 
-    def unpack(buf, slot_axis: int):  # [R, K, D, T] (keys) or [R, K, T, D] (values) -> [U, ...]
+    def unpack(buf, slot_axis: int):  # [R, K, D, T] (transposed keys) or [R, K, T, D] -> [U, ...]
         rows = buf[row]
         idx = src[:, None, None, :] if slot_axis == 3 else src[:, None, :, None]
         keep = valid[:, None, None, :] if slot_axis == 3 else valid[:, None, :, None]
@@ -217,11 +218,12 @@ def _packed_prefill(model, packing, lens_b, slots: int, kv_dtype=None):
         pad[slot_axis] = (0, slots - t)
         return jnp.pad(out, pad)
 
+    k_slots = 2 if keys_slot_major(model.cfg) else 3
     if model.cfg.scan_layers:  # [L, R, ...]
-        k = jax.tree.map(jax.vmap(lambda b: unpack(b, 3)), packed.k)
+        k = jax.tree.map(jax.vmap(lambda b: unpack(b, k_slots)), packed.k)
         v = jax.tree.map(jax.vmap(lambda b: unpack(b, 2)), packed.v)
     else:  # a buffer per layer (int8: its values and scales alike)
-        k = jax.tree.map(lambda b: unpack(b, 3), packed.k)
+        k = jax.tree.map(lambda b: unpack(b, k_slots), packed.k)
         v = jax.tree.map(lambda b: unpack(b, 2), packed.v)
     pos = jnp.pad(jnp.where(valid, j, 0), ((0, 0), (0, slots - t)))
     seg = jnp.pad(valid.astype(jnp.int32), ((0, 0), (0, slots - t)))

@@ -327,17 +327,30 @@ def save_results(out: str | None, name: str, results: dict) -> None:
         (Path(out) / name).write_text(json.dumps(results, indent=1))
 
 
-def tunix_run(config: str, args, ours: dict) -> dict:
-    """Tunix's SFT trainer on `config` in a process of its own, with Tunix on its path only,
-    and its MFU by the same convention; `vs_ours`: our tokens/s over its."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
-        os.environ.get("TUNIX_PATH"), str(ROOT), os.environ.get("PYTHONPATH")]))}
-    # Tunix runs its own settings (remat, splash): the shape and batch, for its Llama (no dtype
-    # setting) our rows' bf16 parameters, and our LoRA rows' rank and int8 base
+def peer_config(config: str) -> str:
+    """What of `config` Tunix runs: it takes its own settings (remat, splash), so the shape and
+    batch, for its Llama (no dtype setting) our rows' bf16 parameters, and our LoRA rows' rank
+    and int8 base. Rows that differ only in our settings share one Tunix run."""
     head, *opts = config.split("+")
     keep = [o for o in opts if o.startswith("lora") or o == "int8"
             or (o == "bf16" and head.startswith("llama"))]
-    base = "+".join([head, *keep])
+    return "+".join([head, *keep])
+
+
+def tunix_run(config: str, args, ours: dict, done: dict | None = None) -> dict:
+    """Tunix's SFT trainer on `config` in a process of its own, with Tunix on its path only,
+    and its MFU by the same convention; `vs_ours`: our tokens/s over its. `done`: earlier
+    results by `peer_config`, reused (and filled) instead of running the same peer again."""
+    base = peer_config(config)
+    if done is not None and base in done:
+        res = dict(done[base], config=config)
+        if "tokens_per_s" in ours and "tokens_per_s" in res:
+            res["vs_ours"] = ours["tokens_per_s"] / res["tokens_per_s"]
+        return res
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        os.environ.get("TUNIX_PATH"), str(ROOT), os.environ.get("PYTHONPATH")]))}
+    head = base.split("+")[0]
+    keep = base.split("+")[1:]
     cmd = [sys.executable, "-m", "benchmarks.tpu.tunix_sft", "--config", base,
            "--steps", str(4 if args.dry_run else args.steps)] + (["--tiny"] if args.dry_run else [])
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
@@ -352,6 +365,8 @@ def tunix_run(config: str, args, ours: dict) -> dict:
     res["mfu"] = flops / (peak * 1e12) if peak else None
     if "tokens_per_s" in ours:
         res["vs_ours"] = ours["tokens_per_s"] / res["tokens_per_s"]
+    if done is not None:
+        done[base] = res
     return res
 
 
@@ -400,12 +415,13 @@ def main():
     peak = json.loads(r.stdout.split("@@")[-1]) if "@@" in r.stdout else None
     print(f"measured bf16 matmul peak {peak} TFLOP/s", flush=True)
     results = {"measured_bf16_peak_tflops": peak, "runs": []}
+    peers: dict = {}
     for c in configs.split(","):
         res = child_result(c, child(c))
         results["runs"].append(res)
         print(json.dumps(res), flush=True)
         if args.peer == "tunix" and "+dpo" not in c:  # its SFT trainer: full or LoRA
-            results["runs"].append(tunix_run(c, args, res))
+            results["runs"].append(tunix_run(c, args, res, peers))
             print(json.dumps(results["runs"][-1]), flush=True)
         save_results(args.out, "train_step.json", results)
     if any("error" in r for r in results["runs"]) and args.dry_run:

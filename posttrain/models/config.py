@@ -65,6 +65,13 @@ class ModelConfig(BaseModel):
         "interpreted: tests); pallas: splash and the Pallas decode kernel over the KV cache "
         "(`posttrain.models.decode_attention`; slower than XLA's decode on a v5e so far: "
         "BENCHMARKS.md)")
+    kv_layout: Literal["auto", "ds", "sd"] = Field(
+        "auto", description="how a KV cache holds its keys: ds, transposed [B, K, D, S] (XLA:CPU "
+        "runs q @ K 2.8x faster in a decode step than over [.., S, D]); sd, slot-major "
+        "[B, K, S, D] like the values (a decode step writes each slot as a row of D lanes in "
+        "place, where XLA:TPU rewrote a transposed key buffer's every tile per step: 36% of the "
+        "0.6B int8 decode at 128 rows on a v5e, BENCHMARKS.md); auto: sd on a TPU, ds elsewhere "
+        "(`layers.keys_slot_major`)")
     head_chunk_tokens: int = Field(0, ge=0, description="tokens whose logits the loss computes "
                                    "at once (`posttrain.train.step.head_chunk`); 0: chosen from "
                                    "the vocabulary size")

@@ -45,7 +45,7 @@ def block_shape(b: int, kh: int, d: int, s: int, itemsize: int) -> tuple[int, in
     return None
 
 
-def _kernel(*refs, quantized: bool, kh: int, g: int, cdt):
+def _kernel(*refs, quantized: bool, kh: int, g: int, cdt, slot_major: bool):
     """Grid (row blocks, slot blocks); per (row, KV head) pair the G query heads' scores and
     P @ V, and the online softmax's running max, sum and output in VMEM scratch (lane-replicated
     max and sum, as Pallas' flash attention keeps them). Two 2-D matmuls per pair in `cdt` (the
@@ -69,7 +69,10 @@ def _kernel(*refs, quantized: bool, kh: int, g: int, cdt):
         for h in range(kh):
             i = r * kh + h
             q = q_ref[r, pl.ds(h * g, g), :].astype(cdt)  # [G, D]
-            s = jnp.dot(q, k_ref[r, h].astype(cdt), preferred_element_type=jnp.float32)
+            k = k_ref[r, h].astype(cdt)  # [D, slots], or [slots, D] slot-major
+            s = (jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32) if slot_major
+                 else jnp.dot(q, k, preferred_element_type=jnp.float32))
             if quantized:
                 s = s * ks_ref[r, pl.ds(h, 1), :]  # a key's scale on its column
             s = s + bias  # [G, slots]
@@ -94,14 +97,16 @@ def _kernel(*refs, quantized: bool, kh: int, g: int, cdt):
                 o_ref[r, pl.ds(h * g, g), :] = acc_sc[i] / l_sc[i][:, :1]
 
 
-@functools.partial(jax.jit, static_argnames=("rows", "slots", "interpret"))
+@functools.partial(jax.jit, static_argnames=("rows", "slots", "interpret", "slot_major"))
 def decode_attention(q_bkgd, kt, v, bias_bs, layer=None, *, rows: int | None = None,
-                     slots: int | None = None, interpret: bool | None = None) -> jax.Array:
+                     slots: int | None = None, interpret: bool | None = None,
+                     slot_major: bool = False) -> jax.Array:
     """softmax(q @ K + bias) @ V for one query token per row.
 
     q_bkgd [B, K, G, D] (already scaled by 1/sqrt(D)); kt: keys [B, K, D, S] (or a QuantizedKV of
     int8 keys with scales [B, K, 1, S]); v: values [B, K, S, D] (or a QuantizedKV with scales
-    [B, K, S, 1]); bias_bs [B, S] f32 (0 where a slot is visible, MASK_VALUE where not).
+    [B, K, S, 1]); with `slot_major` the keys come as the values do ([B, K, S, D], scales
+    [B, K, S, 1]: `layers.keys_slot_major`); bias_bs [B, S] f32 (0 where a slot is visible, MASK_VALUE where not).
     Returns [B, K, G, D] in q's dtype. `rows`/`slots`: the block (default `block_shape`).
     `layer`: None, or a scanned model's stacked cache ([L, B, K, D, S] keys, [L, B, K, S, D]
     values) and the index of the layer to read, a traced scalar: the kernel's blocks are taken
@@ -120,14 +125,15 @@ def decode_attention(q_bkgd, kt, v, bias_bs, layer=None, *, rows: int | None = N
         ks, vs = (kt.scale, v.scale) if quantized else (None, None)
     elif quantized:  # this layer's scales alone (1/D of its bytes); its int8 values in place
         ks, vs = (jax.lax.dynamic_index_in_dim(x.scale, layer, 0, keepdims=False) for x in (kt, v))
-    s = kq.shape[-1]
+    s = vq.shape[-2]
     if rows is None or slots is None:
         rows, slots = block_shape(b, kh, d, s, kq.dtype.itemsize)
     q_in = q_bkgd.reshape(b, kh * g, d).astype(jnp.float32)
     sq = pl.Squeezed()
     in_specs = [
         pl.BlockSpec((rows, kh * g, d), lambda i, j, l: (i, 0, 0)),
-        pl.BlockSpec((sq, rows, kh, d, slots), lambda i, j, l: (l[0], i, 0, 0, j)),
+        (pl.BlockSpec((sq, rows, kh, slots, d), lambda i, j, l: (l[0], i, 0, j, 0)) if slot_major
+         else pl.BlockSpec((sq, rows, kh, d, slots), lambda i, j, l: (l[0], i, 0, 0, j))),
         pl.BlockSpec((sq, rows, kh, slots, d), lambda i, j, l: (l[0], i, 0, j, 0)),
         pl.BlockSpec((rows, slots), lambda i, j, l: (i, j)),
     ]
@@ -139,7 +145,8 @@ def decode_attention(q_bkgd, kt, v, bias_bs, layer=None, *, rows: int | None = N
     if interpret is None:  # `layers.cached_decode_attention` passes it for its target
         interpret = jax.default_backend() != "tpu"
     out = pl.pallas_call(
-        functools.partial(_kernel, quantized=quantized, kh=kh, g=g, cdt=q_bkgd.dtype),
+        functools.partial(_kernel, quantized=quantized, kh=kh, g=g, cdt=q_bkgd.dtype,
+                          slot_major=slot_major),
         out_shape=jax.ShapeDtypeStruct((b, kh * g, d), jnp.float32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(b // rows, s // slots), in_specs=in_specs,

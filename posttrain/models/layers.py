@@ -141,9 +141,10 @@ def attention_mask(q_pos_bt, q_seg_bt, k_pos_bs, k_seg_bs) -> jax.Array:
 
 class QuantizedKV(NamedTuple):
     """A KV buffer stored in int8 with one f32 scale per token and KV head (the absmax over the
-    head's D values / 127): keys [B, K, D, S] with scales [B, K, 1, S], values [B, K, S, D] with
-    [B, K, S, 1] (the size-1 axis where D was, so the slot axis, and every pad, repeat and
-    slice of it, is the same as the data's). Half a bf16 cache's bytes plus 1/32 for scales."""
+    head's D values / 127): transposed keys [B, K, D, S] with scales [B, K, 1, S], values (and
+    slot-major keys) [B, K, S, D] with [B, K, S, 1] (the size-1 axis where D was, so the slot
+    axis, and every pad, repeat and slice of it, is the same as the data's). Half a bf16
+    cache's bytes plus 1/32 for scales."""
 
     q: jax.Array
     scale: jax.Array
@@ -166,22 +167,25 @@ def write_kv(buf, chunk, at: tuple, d_axis: int):
     return jax.lax.dynamic_update_slice(buf, chunk.astype(buf.dtype), at)
 
 
-def dot_attention(q_bthd, kt_bkds, v_bksd, mask_bts) -> jax.Array:
+def dot_attention(q_bthd, kt_bkds, v_bksd, mask_bts, slot_major: bool = False) -> jax.Array:
     """Grouped-query attention as batched matmuls over (batch, kv head): the G query heads that
     share a KV head are stacked along the row axis, [B, K, G*T, D] @ [B, K, D, S], which XLA runs
     faster than a 5-D einsum (no per-group transposes inside the dot). Keys come transposed
     ([B, K, D, S], the KV cache's layout: XLA:CPU transposes a [.., S, D] operand inside the dot,
     2.8x slower in a decode step) and values as [B, K, S, D]. The softmax scale is folded into
-    the queries ([.., D] rather than [.., S] multiplies); the core is `_attend`."""
+    the queries ([.., D] rather than [.., S] multiplies); the core is `_attend`. `slot_major`:
+    the keys come as [B, K, S, D] instead (a TPU's KV cache, `keys_slot_major`): an int8 cache
+    is read in that layout, a float one passes its transpose, which XLA folds into the dot."""
     b, t, h, d = q_bthd.shape
     kh = (v_bksd.q if isinstance(v_bksd, QuantizedKV) else v_bksd).shape[1]
     g = h // kh
     q = (q_bthd * (1 / math.sqrt(d))).astype(q_bthd.dtype)
     q = q.reshape(b, t, kh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, d)
     if isinstance(kt_bkds, QuantizedKV):  # an int8 KV cache (decode: no gradient)
-        out = _attend_int8(q, kt_bkds, v_bksd, mask_bts)
+        out = _attend_int8(q, kt_bkds, v_bksd, mask_bts, slot_major)
     else:
-        out = _attend(q, kt_bkds, v_bksd, mask_bts)  # [B, K, G*T, D]
+        kt = jnp.swapaxes(kt_bkds, -1, -2) if slot_major else kt_bkds
+        out = _attend(q, kt, v_bksd, mask_bts)  # [B, K, G*T, D]
     return out.reshape(b, kh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h * d)
 
 
@@ -199,13 +203,18 @@ def _attend_parts(q, kt, v, mask_bts):
     return out, e, r
 
 
-def _attend_int8(q, kt: QuantizedKV, v: QuantizedKV, mask_bts):
+def _attend_int8(q, kt: QuantizedKV, v: QuantizedKV, mask_bts, slot_major: bool = False):
     """`_attend_parts` over int8 keys and values, never dequantized whole: a key's scale
     multiplies its column of scores after q @ K_int8, a value's scale the probabilities of its
-    slot before P @ V_int8 (both per slot, so they commute with the matmuls)."""
+    slot before P @ V_int8 (both per slot, so they commute with the matmuls). Keys [B, K, D, S]
+    with scales [B, K, 1, S], or slot-major [B, K, S, D] with [B, K, S, 1]."""
     b, kh, gt, _ = q.shape
-    t, s = mask_bts.shape[1], kt.q.shape[-1]
-    scores = jnp.matmul(q, kt.q.astype(q.dtype)).astype(jnp.float32) * kt.scale  # [.., 1, S]
+    t, s = mask_bts.shape[1], v.q.shape[-2]
+    if slot_major:
+        scores = jnp.einsum("bkqd,bksd->bkqs", q, kt.q.astype(q.dtype),
+                            preferred_element_type=jnp.float32) * jnp.swapaxes(kt.scale, -1, -2)
+    else:
+        scores = jnp.matmul(q, kt.q.astype(q.dtype)).astype(jnp.float32) * kt.scale  # [.., 1, S]
     scores = jnp.where(mask_bts[:, None, None], scores.reshape(b, kh, gt // t, t, s), MASK_VALUE)
     e = jnp.exp(scores - jnp.max(scores, -1, keepdims=True)).reshape(b, kh, gt, s)
     r = 1.0 / jnp.sum(e, -1, keepdims=True)
@@ -263,6 +272,16 @@ def target() -> tuple[str, int]:
     return _TARGET or (jax.default_backend(), jax.device_count())
 
 
+def keys_slot_major(cfg: ModelConfig) -> bool:
+    """Whether a KV cache holds its keys slot-major, [B, K, S, D] like the values, rather than
+    transposed, [B, K, D, S]: `cfg.kv_layout`, with `auto` resolved for the target here (sd on a
+    TPU: a transposed buffer puts the slot on the lanes of XLA:TPU's (8, 128) tiles, and the
+    decode step's one-slot write rewrote the whole buffer; ds on CPU, whose dot wants it)."""
+    if cfg.kv_layout != "auto":
+        return cfg.kv_layout == "sd"
+    return target()[0] == "tpu"
+
+
 @contextlib.contextmanager
 def building_for(platform: str, devices: int):
     global _TARGET
@@ -290,21 +309,23 @@ def attention_impl(cfg: ModelConfig, t: int, cached: bool) -> str:
     return "xla" if cfg.attention == "xla" else "splash"
 
 
-def cached_decode_attention(q_bthd, kt_bkds, v_bksd, mask_bts, layer=None) -> jax.Array | None:
+def cached_decode_attention(q_bthd, kt_bkds, v_bksd, mask_bts, layer=None,
+                            slot_major: bool = False) -> jax.Array | None:
     """One decode step's attention (T = 1) with the Pallas kernel
     (`posttrain.models.decode_attention`), or None where no block of the cache fits its VMEM
     budget (the caller runs `dot_attention`). `layer`: None, or the cache is a scanned model's
-    stack of every layer's ([L, B, K, D, S] keys) and the kernel reads this layer's in place."""
+    stack of every layer's ([L, B, K, D, S] keys) and the kernel reads this layer's in place.
+    `slot_major`: the keys are [.., S, D] (`keys_slot_major`)."""
     from posttrain.models.decode_attention import block_shape, decode_attention
 
     b, t, h, d = q_bthd.shape
-    k_data = kt_bkds.q if isinstance(kt_bkds, QuantizedKV) else kt_bkds
-    kh, s = k_data.shape[-3], k_data.shape[-1]
-    if t != 1 or block_shape(b, kh, d, s, k_data.dtype.itemsize) is None:
+    v_data = v_bksd.q if isinstance(v_bksd, QuantizedKV) else v_bksd
+    kh, s = v_data.shape[-3], v_data.shape[-2]
+    if t != 1 or block_shape(b, kh, d, s, v_data.dtype.itemsize) is None:
         return None
     q = (q_bthd * (1 / math.sqrt(d))).astype(q_bthd.dtype).reshape(b, kh, h // kh, d)
     bias = jnp.where(mask_bts[:, 0], 0.0, MASK_VALUE).astype(jnp.float32)
-    return decode_attention(q, kt_bkds, v_bksd, bias, layer,
+    return decode_attention(q, kt_bkds, v_bksd, bias, layer, slot_major=slot_major,
                             interpret=target()[0] != "tpu").reshape(b, 1, h * d)
 
 
@@ -385,7 +406,8 @@ def dense_heads(layer: nnx.Linear, x_bte: jax.Array, d: int, plain: bool = True)
 
 
 class LayerKV(NamedTuple):
-    """What one layer sees of a `KVCache`: its keys [B, K, D, S] / values [B, K, S, D], either its
+    """What one layer sees of a `KVCache`: its keys [B, K, D, S] (slot-major: [B, K, S, D],
+    `keys_slot_major`) / values [B, K, S, D], either its
     own buffers (`layer` None) or every layer's stacked on a leading axis with its index, written in place at
     slots [start, start + T); and the slots' positions/segments (this chunk's already recorded)."""
 
@@ -425,24 +447,26 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, rope)
         k = apply_rope(k, rope)
-        k = k.transpose(0, 2, 3, 1)  # [B, K, D, T]
+        sd = kv is not None and keys_slot_major(cfg)  # the cache's keys [B, K, S, D]
+        k = k.transpose(0, 2, 1, 3) if sd else k.transpose(0, 2, 3, 1)  # [B, K, T, D] | [.., D, T]
         if kv is None:
             keys, values, k_pos, k_seg, new_kv = k, v, pos_bt, seg_bt, None
         else:
+            k_slot, k_d = ((0, 0, kv.start, 0), -1) if sd else ((0, 0, 0, kv.start), -2)
             if kv.layer is None:
-                keys = write_kv(kv.k, k, (0, 0, 0, kv.start), -2)
+                keys = write_kv(kv.k, k, k_slot, k_d)
                 values = write_kv(kv.v, v, (0, 0, kv.start, 0), -1)
                 new_kv = (keys, values)
             else:
-                k_at, v_at = (kv.layer, 0, 0, 0, kv.start), (kv.layer, 0, 0, kv.start, 0)
-                k_all = write_kv(kv.k, k[None], k_at, -2)
+                k_at, v_at = (kv.layer, *k_slot), (kv.layer, 0, 0, kv.start, 0)
+                k_all = write_kv(kv.k, k[None], k_at, k_d)
                 v_all = write_kv(kv.v, v[None], v_at, -1)
                 new_kv = (k_all, v_all)
             k_pos, k_seg = kv.pos, kv.seg
         mask = attention_mask(pos_bt, seg_bt, k_pos, k_seg)
         out = None
         if impl == "decode":  # cached: the kernel reads a stacked cache's layer in place
-            out = cached_decode_attention(q, *new_kv, mask, kv.layer)
+            out = cached_decode_attention(q, *new_kv, mask, kv.layer, slot_major=sd)
         if out is None:
             if kv is not None and kv.layer is not None:  # this layer's slice of the stack
                 keys, values = jax.tree.map(
@@ -450,7 +474,7 @@ class Attention(nnx.Module):
                     new_kv)
             if not isinstance(keys, QuantizedKV):
                 keys, values = keys.astype(q.dtype), values.astype(q.dtype)
-            out = dot_attention(q, keys, values, mask)
+            out = dot_attention(q, keys, values, mask, slot_major=sd)
         out = dense(self.o_proj, out)
         return checkpoint_name(out, "out_proj"), new_kv
 

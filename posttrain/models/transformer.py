@@ -19,7 +19,8 @@ from flax import nnx
 from posttrain.models.config import ModelConfig
 from posttrain.sharding import constrain
 from posttrain.models.layers import (ACT_AXES, DTYPES, MLP, Attention, LayerKV, QuantizedKV,
-                                     RMSNorm, Rope, _init, rope_inv_freq, rope_tables)
+                                     RMSNorm, Rope, _init, keys_slot_major, rope_inv_freq,
+                                     rope_tables)
 from posttrain.models.qwen3_moe import SparseMoeBlock, router_losses
 
 REMAT_POLICIES = {
@@ -79,6 +80,7 @@ class KVCache(NamedTuple):
     the bytes, with `dtype=jnp.int8`; a buffer below is then a `QuantizedKV` of such arrays."""
 
     k: jax.Array | tuple  # scanned layers: [L, B, K, D, S]; unrolled: L arrays [B, K, D, S]
+    # (slot-major keys, `layers.keys_slot_major`: [.., S, D] as the values)
     v: jax.Array | tuple  # scanned layers: [L, B, K, S, D]; unrolled: L arrays [B, K, S, D]
     pos: jax.Array  # [B, S] position held by each slot
     seg: jax.Array  # [B, S] segment of each slot; 0 = empty
@@ -87,8 +89,10 @@ class KVCache(NamedTuple):
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
         dtype = dtype or DTYPES[cfg.compute_dtype]
-        k_shape = (batch, cfg.num_key_value_heads, cfg.head_dim, max_len)  # keys transposed
         v_shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        sd = keys_slot_major(cfg)
+        k_shape = v_shape if sd else (batch, cfg.num_key_value_heads, cfg.head_dim, max_len)
+        k_d = -1 if sd else -2
         lead = (cfg.num_hidden_layers,) if cfg.scan_layers else ()
 
         def zeros(shape, d_axis):
@@ -99,9 +103,9 @@ class KVCache(NamedTuple):
             return QuantizedKV(jnp.zeros(lead + shape, jnp.int8), jnp.zeros(scale, jnp.float32))
 
         if cfg.scan_layers:
-            k, v = zeros(k_shape, -2), zeros(v_shape, -1)
+            k, v = zeros(k_shape, k_d), zeros(v_shape, -1)
         else:
-            k = tuple(zeros(k_shape, -2) for _ in range(cfg.num_hidden_layers))
+            k = tuple(zeros(k_shape, k_d) for _ in range(cfg.num_hidden_layers))
             v = tuple(zeros(v_shape, -1) for _ in range(cfg.num_hidden_layers))
         return cls(k, v,
                    jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((batch, max_len), jnp.int32),
@@ -117,10 +121,11 @@ class KVCache(NamedTuple):
         return KVCache(k, v, jnp.repeat(self.pos, n, axis=0), jnp.repeat(self.seg, n, axis=0),
                        self.end)
 
-    def grow(self, slots: int) -> "KVCache":
+    def grow(self, slots: int, cfg: ModelConfig) -> "KVCache":
         """The same cache with empty slots appended up to `slots` (segment 0: masked out). A
         decode that reads only the slots it can have filled by now attends over a short cache
-        first and grows it as it goes (`rollout.jax_engine`)."""
+        first and grows it as it goes (`rollout.jax_engine`). `cfg`: the model's, for the
+        keys' layout."""
         extra = slots - self.pos.shape[1]
         if extra <= 0:
             return self
@@ -130,7 +135,8 @@ class KVCache(NamedTuple):
             widths[axis] = (0, extra)
             return jnp.pad(x, widths)
 
-        k = jax.tree.map(lambda x: pad(x, -1), self.k)  # keys' slots are the last axis
+        k_slots = -2 if keys_slot_major(cfg) else -1  # transposed keys' slots: the last axis
+        k = jax.tree.map(lambda x: pad(x, k_slots), self.k)
         v = jax.tree.map(lambda x: pad(x, -2), self.v)
         return KVCache(k, v, pad(self.pos, 1), pad(self.seg, 1), self.end)
 

@@ -457,6 +457,38 @@ def test_the_pallas_decode_kernel_draws_what_xla_draws(setup):
         assert_same_samples(xla, a, c, sp)
 
 
+def test_slot_major_keys_decode_what_transposed_keys_decode(setup):
+    """`model.kv_layout`: a KV cache whose keys are slot-major ([B, K, S, D], a TPU's layout:
+    a decode step writes one slot as a row of D lanes in place) decodes what the transposed one
+    ([B, K, D, S], CPU's) does: the same tokens and kept counts, log-probs within 1e-5 (fp32
+    summation order), with the fp32 and int8 caches, through the packed prefill's unpacking and
+    the phased cache's growth, on XLA's attention unrolled and scanned and on the Pallas decode
+    kernel (interpreted). The layout is really switched: the cache's key buffers change shape."""
+    from posttrain.models.transformer import KVCache
+
+    d, _, tok, _ = setup
+    ds = from_pretrained(d, kv_layout="ds")
+    if ds.cfg.arch != "qwen3":
+        pytest.skip("the cache layout is architecture-blind: Qwen3 covers it")
+    sd = from_pretrained(d, kv_layout="sd")
+    caches = (KVCache.init(m.cfg, 2, 48, jnp.int8).k for m in (ds, sd))
+    k_ds, k_sd = (k if hasattr(k, "scale") else k[0] for k in caches)  # stacked or per layer
+    hd = ds.cfg.head_dim
+    assert (k_ds.q.shape[-2:], k_ds.scale.shape[-2:]) == ((hd, 48), (1, 48))
+    assert (k_sd.q.shape[-2:], k_sd.scale.shape[-2:]) == ((48, hd), (48, 1))
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(3, ds.cfg.vocab_size, int(rng.integers(2, 30))).tolist()
+               for _ in range(5)]
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, n=2, seed=8)
+    for kv in ("auto", "int8"):
+        a = JaxEngine(ds, tok, kv_cache_dtype=kv).generate(prompts, sp)
+        assert_same_samples(ds, a, JaxEngine(sd, tok, kv_cache_dtype=kv).generate(prompts, sp), sp)
+        scan = JaxEngine(sd, tok, kv_cache_dtype=kv, unroll_layers=False, pack_prefill=False)
+        assert_same_samples(ds, a, scan.generate(prompts, sp), sp)
+    kern = from_pretrained(d, attention="pallas", kv_layout="sd")
+    assert_same_samples(ds, a, JaxEngine(kern, tok, kv_cache_dtype="int8").generate(prompts, sp), sp)
+
+
 def test_max_rows_splits_a_request_into_calls_of_one_program(setup):
     """`rollout.max_rows`: a request of more rows (prompts x n) than that runs as calls of at
     most that many, each prompt's samples in one call: the same greedy completions and
