@@ -15,6 +15,8 @@ keep only some of the tied tokens; replaying the kept count makes the trainer ex
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -34,21 +36,46 @@ def process_logits(logits_bv: jax.Array, temperature, top_k, top_p) -> jax.Array
     whose strictly larger tokens hold less than `top_p`: the cut of the smallest sorted prefix
     with mass >= top_p (`largest_value_where`). Each is 32 passes over [B, V], and each runs
     only when its parameter is active."""
-    x = logits_bv.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
-    b, v = x.shape
+    return _keep(*_cuts(logits_bv, temperature, top_k, top_p))
+
+
+def _cuts(logits_bv: jax.Array, temperature, top_k, top_p):
+    """(raw f32 logits, 1 / the temperature (floored at 1e-6), top-k's cut, top-p's cut), each
+    cut [B, 1] (-inf where inactive): what `process_logits` keeps is raw * t at or above both.
+    Scaled by a multiply, not a division, because the scaled logits are formed anew in each
+    fusion that reads them (never materialised) and the cuts must be exactly some of them:
+    XLA divides differently in different fusions (a k-th largest computed in one, compared in
+    another, lost the k-th token by an ulp), where a multiply rounds the same everywhere."""
+    raw = logits_bv.astype(jnp.float32)
+    t = 1.0 / jnp.maximum(temperature, 1e-6)  # a multiply: the same bits in every fusion
+    b, v = raw.shape
     none = jnp.full((b, 1), -jnp.inf, jnp.float32)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-    kth = jax.lax.cond(k < v, lambda x: kth_largest(x, jnp.broadcast_to(k, (b,))),
-                       lambda x: none, x)
-    x = jnp.where(x >= kth, x, NEG)
-    e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))  # 0 where cut
-    need = top_p * e.sum(-1, keepdims=True)
+    # The conds take the raw logits and return cuts [B, 1]: a [B, V] operand is materialised
+    # (x / T would be, where its other readers recompute it in their own fusions), and a branch
+    # that returns its [B, V] operand copies it (XLA:TPU copied the f32 [128, 151936] logits
+    # twice per decode step that way)
+    kth = jax.lax.cond(k < v, lambda r: kth_largest(r * t, jnp.broadcast_to(k, (b,))),
+                       lambda r: none, raw)
 
-    def enough(ge):
-        return ((e * ge).sum(-1, keepdims=True) >= need) | ge.all(-1, keepdims=True)
+    def nucleus(r):
+        x = jnp.where(r * t >= kth, r * t, NEG)
+        e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))  # 0 where cut
+        need = top_p * e.sum(-1, keepdims=True)
 
-    cut = jax.lax.cond(top_p < 1.0, lambda x: largest_value_where(x, enough), lambda x: none, x)
-    return jnp.where(x >= cut, x, NEG)
+        def enough(ge):
+            return ((e * ge).sum(-1, keepdims=True) >= need) | ge.all(-1, keepdims=True)
+
+        return largest_value_where(x, enough)
+
+    cut = jax.lax.cond(top_p < 1.0, nucleus, lambda r: none, raw)
+    return raw, t, kth, cut
+
+
+def _keep(raw, t, kth, cut):
+    """The scaled logits raw * t where they are at or above both cuts, NEG elsewhere."""
+    x = raw * t
+    return jnp.where((x >= kth) & (x >= cut), x, NEG)
 
 
 def argmax_first(x_bv: jax.Array) -> jax.Array:
@@ -81,26 +108,40 @@ def inverse_cdf(key, logprobs_bv: jax.Array, block: int = 128) -> jax.Array:
     the draw stays below the total (u * total may round up to it), the block found is one whose
     sum is positive, and a draw past the block's own rounded total lands on its last token with
     mass."""
-    return _inverse_cdf(key, logprobs_bv, block)[0]
+    return _inverse_cdf(key, logprobs_bv, jnp.zeros(logprobs_bv.shape[:1] + (1,)), block)[0]
 
 
-def _inverse_cdf(key, logprobs_bv: jax.Array, block: int = 128) -> tuple[jax.Array, jax.Array]:
-    """`inverse_cdf`'s draw and each row's total weight sum(exp(logprobs)) [B], which the
-    draw forms anyway (the caller's logsumexp without another pass over [B, V])."""
-    b, v = logprobs_bv.shape
-    p = jnp.exp(logprobs_bv)
+def _inverse_cdf(key, x_bv: jax.Array, m_b1: jax.Array, block: int = 128
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`inverse_cdf`'s draw from the weights exp(x - m) (m: the row's max, or any shift), each
+    row's total weight sum(exp(x - m)) [B], which the draw forms anyway (the caller's
+    logsumexp without another pass over [B, V]), and x at the drawn token [B].
+
+    The vocabulary is split into blocks as [B / r, r, V / block, block] with r = 8 rows (the
+    sublanes of a TPU tile), not [B, V / block, block]: in XLA:TPU's (8, 128)-tiled layout of a
+    [B, V] array the former is the same bytes, the latter is not, and XLA laid the logits out
+    column-major to make it so (a transposing copy of the f32 [128, 151936] logits per decode
+    step, 240 us on a v5e, and one more for the gather of the drawn block). The drawn block is
+    picked out as a one-hot sum over the blocks, not a gather, for the same reason: one more
+    fused read."""
+    b, v = x_bv.shape
     if v <= 2 * block:  # one level: the row's own cumulative sum bounds the draw
-        cdf = jnp.cumsum(p, axis=-1)
-        return jnp.sum(cdf <= _draw(key, cdf[:, -1:]), axis=-1).astype(jnp.int32), cdf[:, -1]
+        cdf = jnp.cumsum(jnp.exp(x_bv - m_b1), axis=-1)
+        tok = jnp.sum(cdf <= _draw(key, cdf[:, -1:]), axis=-1).astype(jnp.int32)
+        return tok, cdf[:, -1], jnp.take_along_axis(x_bv, tok[:, None], -1)[:, 0]
     nb = -(-v // block)
-    p3 = jnp.pad(p, ((0, 0), (0, nb * block - v))).reshape(b, nb, block)
-    sums = p3.sum(-1)  # [B, nb]
+    r = math.gcd(b, 8)
+    x4 = jnp.pad(x_bv, ((0, 0), (0, nb * block - v)), constant_values=-jnp.inf)
+    x4 = x4.reshape(b // r, r, nb, block)
+    sums = jnp.exp(x4 - m_b1.reshape(b // r, r, 1, 1)).sum(-1).reshape(b, nb)
     csum = jnp.cumsum(sums, axis=-1)
     u = _draw(key, csum[:, -1:])
     blk = jnp.minimum(jnp.sum(csum <= u, axis=-1), nb - 1)  # csum[blk - 1] <= u < csum[blk]
     before = jnp.where(blk > 0, jnp.take_along_axis(csum, jnp.maximum(blk - 1, 0)[:, None], -1)[:, 0], 0.0)
-    inner = jnp.take_along_axis(p3, blk[:, None, None], axis=1)[:, 0]  # [B, block]
-    return blk * block + _first_above(inner, u - before[:, None]), csum[:, -1]
+    hit = jax.lax.broadcasted_iota(jnp.int32, (b // r, r, nb, 1), 2) == blk.reshape(b // r, r, 1, 1)
+    x_blk = jnp.sum(jnp.where(hit, x4, 0.0), axis=2).reshape(b, block)  # exactly the block's x
+    j = _first_above(jnp.exp(x_blk - m_b1), u - before[:, None])
+    return blk * block + j, csum[:, -1], jnp.take_along_axis(x_blk, j[:, None], -1)[:, 0]
 
 
 def _draw(key, total_b1: jax.Array) -> jax.Array:
@@ -132,24 +173,25 @@ def sample(key, logits_bv: jax.Array, temperature, top_k, top_p, full=False
     x = logits_bv.astype(jnp.float32)
     filtering = (jnp.asarray(top_k) > 0) | (jnp.asarray(top_p) < 1.0)  # arrays: `~` is logical
 
-    def greedy(x):
+    def greedy(x):  # the argmax's logit is the max: no gather over [B, V]
         tok = argmax_first(x)
-        lp = jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(x, axis=-1)
+        lp = jnp.max(x, axis=-1) - jax.nn.logsumexp(x, axis=-1)
         return tok, lp, jnp.full(tok.shape, v, jnp.int32)
 
     def sampled(x):
-        scaled = x / jnp.maximum(temperature, 1e-6)
-        processed = jax.lax.cond(filtering, lambda z: process_logits(z, temperature, top_k, top_p),
-                                 lambda z: scaled, x)
+        raw, t, kth, cut = _cuts(x, temperature, top_k, top_p)
+        processed = _keep(raw, t, kth, cut)  # = x / T (as x * (1 / T)) when nothing cuts
         m = jnp.max(processed, axis=-1, keepdims=True)
-        tok, total = _inverse_cdf(key, processed - m)  # from unnormalised weights
+        tok, total, at = _inverse_cdf(key, processed, m)  # from unnormalised weights
         lse = m[:, 0] + jnp.log(total)
+        # Passes of their own only where something cuts; their conds take the raw logits (a
+        # [B, V] operand is materialised: x / T then would be, where every other reader
+        # recomputes it in its own fusion) and return [B] only
         lse_full = jax.lax.cond(jnp.asarray(full) & filtering,
-                                lambda z: jax.nn.logsumexp(z, axis=-1), lambda z: lse, scaled)
-        # the drawn token was kept, so its processed logit is its scaled one
-        at = jnp.take_along_axis(scaled, tok[:, None], axis=-1)[:, 0]
-        lp = at - jnp.where(full, lse_full, lse)
-        kept = jnp.where(filtering, (processed > NEG / 2).sum(-1), v)
-        return tok, lp, kept.astype(jnp.int32)
+                                lambda r: jax.nn.logsumexp(r * t, axis=-1), lambda r: lse, raw)
+        kept = jax.lax.cond(filtering, lambda r: (_keep(r, t, kth, cut) > NEG / 2).sum(
+            -1, dtype=jnp.int32), lambda r: jnp.full(r.shape[:1], v, jnp.int32), raw)
+        # the drawn token was kept, so its processed logit `at` is its scaled one
+        return tok, at - jnp.where(full, lse_full, lse), kept
 
     return jax.lax.cond(temperature <= 0, greedy, sampled, x)

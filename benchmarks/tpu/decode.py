@@ -8,7 +8,9 @@ the default is unrolled layers, one KV buffer per layer, as the engine decodes:
 `rollout.unroll_layers`; `+unroll` says so explicitly), `+topp=P` (nucleus sampling; default temperature 1 and the
 whole vocabulary), `+effort=X` (XLA's execution-time optimisation effort, -1 to 1), `+int8` (the
 KV cache in int8 with a scale per token and head: `rollout.kv_cache_dtype`), `+attn=pallas` (the
-Pallas decode kernel over the cache instead of XLA's attention: `model.attention`), e.g.
+Pallas decode kernel over the cache instead of XLA's attention: `model.attention`), `+kv=ds|sd`
+(the keys' cache layout, `model.kv_layout`: transposed or slot-major; default auto, slot-major
+on a TPU), e.g.
 `0.6b:128x128+128+profile`.
 
 Each configuration runs in a process of its own (one process holds the chip; one that runs out
@@ -44,7 +46,7 @@ def parse_config(config: str) -> tuple[str, int, int, int, dict]:
     shape, bp = head.split(":")
     b, p = map(int, bp.split("x"))
     o = {"profile": False, "scan": False, "top_p": 1.0, "effort": 0.0, "int8": False,
-         "attn": "auto"}
+         "attn": "auto", "kv": "auto"}
     for opt in opts:
         if opt in ("profile", "scan", "int8"):
             o[opt] = True
@@ -56,6 +58,8 @@ def parse_config(config: str) -> tuple[str, int, int, int, dict]:
             o["effort"] = float(opt[7:])
         elif opt.startswith("attn="):
             o["attn"] = opt[5:]
+        elif opt.startswith("kv="):
+            o["kv"] = opt[3:]
         else:
             raise SystemExit(f"{config}: unknown option {opt}")
     return shape, b, p, int(new), o
@@ -69,13 +73,13 @@ def run_one(config: str) -> dict:
 
     from benchmarks.tpu.train_step import shape_config
     from posttrain.models import CausalLM
-    from posttrain.models.layers import attention_impl
+    from posttrain.models.layers import attention_impl, keys_slot_major
     from rollout.jax_engine import DECODE_PHASES, _generate, phase_ends
 
     shape, b, p, new, o = parse_config(config)
     jax.config.update("jax_exec_time_optimization_effort", o["effort"])
     sw = dict(scan_layers=o["scan"], compute_dtype="bfloat16", param_dtype="bfloat16",
-              attention=o["attn"])
+              attention=o["attn"], kv_layout=o["kv"])
     cfg = shape_config(shape, **sw)
     abstract = nnx.eval_shape(lambda: CausalLM(cfg, nnx.Rngs(0)))
     state = jax.jit(lambda: nnx.state(CausalLM(cfg, nnx.Rngs(0))))()
@@ -117,6 +121,7 @@ def run_one(config: str) -> dict:
     res = {"config": config, "shape": shape, "batch": b, "prompt": p, "new": new,
            "scan_layers": cfg.scan_layers, "kv_int8": o["int8"], "top_p": o["top_p"], "compile_effort": o["effort"],
            "attention": attention_impl(cfg, 1, cached=True),
+           "keys_slot_major": keys_slot_major(cfg),
            "phases": list(phases),
            "compile_s": compile_s, "generate_s": t_new, "prefill_s": t_one,
            "step_ms": step_s * 1e3, "tokens_per_s": b / step_s,
@@ -146,7 +151,7 @@ def main():
     if args.one:
         print("@@" + json.dumps(run_one(args.one)))
         return
-    configs = ("tiny:4x32+32+scan,tiny:8x32+48+topp=0.9+profile+int8+attn=pallas" if args.dry_run
+    configs = ("tiny:4x32+32+scan+kv=sd,tiny:8x32+48+topp=0.9+profile+int8+attn=pallas" if args.dry_run
                else args.configs)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}

@@ -66,7 +66,7 @@ def run_one(config: str, save: str | None = None) -> dict:
     shape, b, p, new, o = parse(config)
     jax.config.update("jax_exec_time_optimization_effort", o["effort"])
     sw = dict(scan_layers=o["scan"], compute_dtype="bfloat16", param_dtype="bfloat16",
-              attention=o["attn"])
+              attention=o["attn"], kv_layout=o["kv"])
     if o["layers"]:
         sw["num_hidden_layers"] = o["layers"]
     cfg = shape_config(shape, **sw)
