@@ -28,7 +28,7 @@ from flax import nnx
 from posttrain.data.packing import bucket_up, packed_rows
 from posttrain.models.export import host_array
 from posttrain.models.hf import our_path, our_tensors
-from posttrain.models.layers import keys_slot_major
+from posttrain.models.layers import key_axes
 from posttrain.models.loading import set_params
 from posttrain.models.transformer import CausalLM, KVCache, layer_unstacker
 from posttrain.train.step import token_logprobs
@@ -220,7 +220,7 @@ def _packed_prefill(model, packing, lens_b, slots: int, kv_dtype=None):
         pad[slot_axis] = (0, slots - t)
         return jnp.pad(out, pad)
 
-    k_slots = 2 if keys_slot_major(model.cfg) else 3
+    k_slots = 4 + key_axes(model.cfg)[0]  # of [R, K, ., .]
     if model.cfg.scan_layers:  # [L, R, ...]
         k = jax.tree.map(jax.vmap(lambda b: unpack(b, k_slots)), packed.k)
         v = jax.tree.map(jax.vmap(lambda b: unpack(b, 2)), packed.v)

@@ -282,6 +282,12 @@ def keys_slot_major(cfg: ModelConfig) -> bool:
     return target()[0] == "tpu"
 
 
+def key_axes(cfg: ModelConfig) -> tuple[int, int]:
+    """(slot axis, D axis) of a KV cache's key buffer, from its end: (-2, -1) slot-major,
+    (-1, -2) transposed (`keys_slot_major`). A value buffer's are always (-2, -1)."""
+    return (-2, -1) if keys_slot_major(cfg) else (-1, -2)
+
+
 @contextlib.contextmanager
 def building_for(platform: str, devices: int):
     global _TARGET

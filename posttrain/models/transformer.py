@@ -19,7 +19,7 @@ from flax import nnx
 from posttrain.models.config import ModelConfig
 from posttrain.sharding import constrain
 from posttrain.models.layers import (ACT_AXES, DTYPES, MLP, Attention, LayerKV, QuantizedKV,
-                                     RMSNorm, Rope, _init, keys_slot_major, rope_inv_freq,
+                                     RMSNorm, Rope, _init, key_axes, rope_inv_freq,
                                      rope_tables)
 from posttrain.models.qwen3_moe import SparseMoeBlock, router_losses
 
@@ -90,9 +90,9 @@ class KVCache(NamedTuple):
     def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
         dtype = dtype or DTYPES[cfg.compute_dtype]
         v_shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        sd = keys_slot_major(cfg)
-        k_shape = v_shape if sd else (batch, cfg.num_key_value_heads, cfg.head_dim, max_len)
-        k_d = -1 if sd else -2
+        k_slots, k_d = key_axes(cfg)
+        k_shape = v_shape if k_slots == -2 else (batch, cfg.num_key_value_heads, cfg.head_dim,
+                                                   max_len)
         lead = (cfg.num_hidden_layers,) if cfg.scan_layers else ()
 
         def zeros(shape, d_axis):
@@ -135,8 +135,7 @@ class KVCache(NamedTuple):
             widths[axis] = (0, extra)
             return jnp.pad(x, widths)
 
-        k_slots = -2 if keys_slot_major(cfg) else -1  # transposed keys' slots: the last axis
-        k = jax.tree.map(lambda x: pad(x, k_slots), self.k)
+        k = jax.tree.map(lambda x: pad(x, key_axes(cfg)[0]), self.k)
         v = jax.tree.map(lambda x: pad(x, -2), self.v)
         return KVCache(k, v, pad(self.pos, 1), pad(self.seg, 1), self.end)
 
