@@ -71,10 +71,9 @@ def phase_ends(gen_len: int, max_phases: int, step: int = 16) -> tuple[int, ...]
     return ends[:-1] + (gen_len,)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "gen_len", "group", "phases", "kv_int8"))
-def _generate(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p, full, max_new,
-              stop_ids, gen_len: int, group: int = 1, packing=None, phases: tuple[int, ...] = (),
-              kv_int8: bool = False):
+def _generate_impl(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p, full,
+                   max_new, stop_ids, gen_len: int, group: int = 1, packing=None,
+                   phases: tuple[int, ...] = (), kv_int8: bool = False):
     """`tokens_bt` [P, T]: the distinct prompts, each prefilled once; its KV cache and last
     logits are then repeated `group` times, so rows i * group .. i * group + group - 1 of the
     P * group decoded in lockstep are the group's samples of prompt i (GRPO's G completions
@@ -136,8 +135,33 @@ def _generate(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, top_p
     return out_t, out_lp, out_k, n
 
 
+# XLA:TPU's memory-space assignment (MSA) copies a buffer into the chip's VMEM ahead of a use
+# when its cost model expects the use to gain. In the decode loop it picked every layer's whole
+# KV cache, read once per step by that layer's attention: a copy (or four sliced copies) of the
+# cache per layer per step, each waited on before the attention could run. On a v5e at 128 x
+# (128 + 128) the copies' waits took 326 ms of a 1,315 ms generation, and the step went from 8.06
+# to 9.30 ms when a change to the sampler freed the VMEM its logits had held (BENCHMARKS.md). MSA
+# counts a VMEM allocation inefficient, and drops it, when its uses read fewer bytes than this
+# ratio times what it copies (XLA's default 0.5): at 1.0 no KV buffer is copied into VMEM in the
+# decode loop (`benchmarks.tpu.decode_compile`'s `kv_vmem_copies_per_step`), and attention
+# streams the cache from HBM once per step, while the weights' sliced prefetches remain.
+TPU_DECODE_OPTIONS = {"xla_tpu_msa_inefficient_use_to_copy_ratio": 1.0}
+_GENERATE_STATIC = ("graphdef", "gen_len", "group", "phases", "kv_int8")
+_generate_programs = {
+    "tpu": jax.jit(_generate_impl, static_argnames=_GENERATE_STATIC,
+                   compiler_options=TPU_DECODE_OPTIONS),
+    None: jax.jit(_generate_impl, static_argnames=_GENERATE_STATIC),
+}
+
+
+def generate_program(platform: str | None):
+    """The jitted `_generate_impl` for a platform ("tpu", "cpu", ...): with XLA options of its
+    own where that platform's compiler needs them (TPU_DECODE_OPTIONS), plain elsewhere."""
+    return _generate_programs.get(platform, _generate_programs[None])
+
+
 class ProgramShape(NamedTuple):
-    """What a decode program of `_generate` is compiled for: prompts (prefill rows), prompt
+    """What a decode program of `_generate_impl` is compiled for: prompts (prefill rows), prompt
     slots, generation slots, samples per prompt, stop-id slots, packed prefill rows (0: none)."""
     prompts: int
     prompt_len: int
@@ -495,7 +519,8 @@ class JaxEngine:
         if seed is None:  # a seeded request (the probe's) leaves the unseeded stream as it was
             seed = self._seed * 1_000_003 + self._calls
             self._calls += 1
-        out_t, out_lp, out_k, n = jax.device_get(_generate(
+        platform = next(iter(jax.tree.leaves(self.state)[0].devices())).platform
+        out_t, out_lp, out_k, n = jax.device_get(generate_program(platform)(
             self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(lens), jax.random.key(seed),
             jnp.float32(params.temperature), jnp.int32(params.top_k), jnp.float32(params.top_p),
             jnp.bool_(params.logprobs == "full"), jnp.int32(params.max_tokens),

@@ -90,7 +90,7 @@ def test_tpu_train_step_dry_run_writes_its_table(tmp_path):
 
 def test_tpu_decode_dry_run_writes_its_table(tmp_path):
     """`benchmarks/tpu/decode.py` (run on the TPU machine) stays runnable: its CPU dry run
-    decodes a tiny model through the engine's own `_generate` (scanned and unrolled layers,
+    decodes a tiny model through the engine's own program (`generate_program`; scanned and unrolled layers,
     nucleus sampling, the op profile) and writes per-step times and the roofline's bytes."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     r = subprocess.run([sys.executable, "-m", "benchmarks.tpu.decode", "--dry-run",
@@ -191,3 +191,39 @@ def test_tpu_hlo_cost_reads_the_compilers_estimates_per_loop(tmp_path):
     # remat save_attention: the backward's layer loop does not rerun splash's forward kernel
     kernels = [o.name for o in prog.ops if o.name.startswith("splash_mqa_fwd")]
     assert len(kernels) == 1, kernels
+
+
+def test_hlo_cost_counts_a_decode_loops_kv_copies_into_vmem():
+    """`hlo_cost.loop_vmem_copies` (what `benchmarks.tpu.decode_compile` reports as
+    `kv_vmem_copies_per_step`) counts, per while-loop body, the async copies of a matching buffer
+    into VMEM (S(1)): a whole copy and each slice of a sliced one, not a copy back out of VMEM,
+    not a weight's slices, not a body with none. The lines are a v5e decode program's own."""
+    from benchmarks.tpu.hlo_cost import loop_vmem_copies
+
+    kv = "{3,2,1,0:T(8,128)(2,1)}"
+    kv_vmem = "{3,2,1,0:T(8,128)(2,1)S(1)}"
+    text = "\n".join([
+        "%decode_body (p: (s32[])) -> (s32[]) {",
+        f"  %slice-start.476 = ((bf16[128,8,224,128]{kv}), bf16[32,8,224,128]{kv_vmem}, "
+        "s32[]{:S(2)}) slice-start(%get-tuple-element.60001), slice={[0:32], [0:8], [0:224], [0:128]}",
+        f"  %slice-start.477 = ((bf16[128,8,224,128]{kv}), bf16[32,8,224,128]{kv_vmem}, "
+        "s32[]{:S(2)}) slice-start(%get-tuple-element.60001), slice={[32:64], [0:8], [0:224], [0:128]}",
+        f"  %copy-start.24 = (bf16[128,8,224,128]{kv}, bf16[128,8,224,128]{kv_vmem}, u32[]{{:S(2)}}) "
+        "copy-start(%dynamic_update_slice.2043)",
+        f"  %copy-start.64 = (bf16[128,8,224,128]{kv_vmem}, bf16[128,8,224,128]{kv}, u32[]{{:S(2)}}) "
+        "copy-start(%get-tuple-element.57538)",
+        "  %slice-start.548 = ((bf16[1024,3072]{1,0:T(8,128)(2,1)}), bf16[256,3072]{1,0:T(8,128)(2,1)S(1)}, "
+        "s32[]{:S(2)}) slice-start(%get-tuple-element.58060), slice={[0:256], [0:3072]}",
+        "}",
+        "%sampler_body (p: (s32[])) -> (s32[]) {",
+        "  %slice-start.9 = ((bf16[1024,3072]{1,0:T(8,128)(2,1)}), bf16[256,3072]{1,0:T(8,128)(2,1)S(1)}, "
+        "s32[]{:S(2)}) slice-start(%get-tuple-element.5), slice={[0:256], [0:3072]}",
+        "}",
+        "ENTRY %main.1 (a: s32[]) -> s32[] {",
+        "  %while.1 = (s32[]) while(%tuple.1), condition=%cond, body=%decode_body",
+        "  %while.2 = (s32[]) while(%tuple.2), condition=%cond, body=%sampler_body",
+        "}",
+    ])
+    assert loop_vmem_copies(text, r"bf16\[128,8,\d+,128\]") == {"decode_body": 3}
+    assert loop_vmem_copies(text, r"bf16\[1024,3072\]") == {"decode_body": 1, "sampler_body": 1}
+    assert loop_vmem_copies(text, r"bf16\[64,8,\d+,128\]") == {}

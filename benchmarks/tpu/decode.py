@@ -10,12 +10,13 @@ whole vocabulary), `+effort=X` (XLA's execution-time optimisation effort, -1 to 
 KV cache in int8 with a scale per token and head: `rollout.kv_cache_dtype`), `+attn=pallas` (the
 Pallas decode kernel over the cache instead of XLA's attention: `model.attention`), `+kv=ds|sd`
 (the keys' cache layout, `model.kv_layout`: transposed or slot-major; default auto, slot-major
-on a TPU), e.g.
+on a TPU), `+msa=xla` (compile without the engine's TPU options, `rollout.jax_engine.TPU_DECODE_OPTIONS`:
+XLA's default memory-space assignment, which copies each layer's KV cache into VMEM per step), e.g.
 `0.6b:128x128+128+profile`.
 
 Each configuration runs in a process of its own (one process holds the chip; one that runs out
 of memory must not take the others with it): a random bf16 model of the named shape, the
-engine's own jitted `rollout.jax_engine._generate` (prefill, the phased decode over a KV cache,
+engine's own jitted program (`rollout.jax_engine.generate_program`: prefill, the phased decode over a KV cache,
 the sampler with log-probs and kept counts), BATCH distinct prompts of PROMPT tokens, NEW new
 tokens with no stop token. The per-step time is (t(NEW) - t(1)) / (NEW - 1): the same compiled
 program run to NEW tokens and to one (prefill and the last sample only), medians of 3 calls.
@@ -46,7 +47,7 @@ def parse_config(config: str) -> tuple[str, int, int, int, dict]:
     shape, bp = head.split(":")
     b, p = map(int, bp.split("x"))
     o = {"profile": False, "scan": False, "top_p": 1.0, "effort": 0.0, "int8": False,
-         "attn": "auto", "kv": "auto"}
+         "attn": "auto", "kv": "auto", "msa": "engine"}
     for opt in opts:
         if opt in ("profile", "scan", "int8"):
             o[opt] = True
@@ -60,6 +61,8 @@ def parse_config(config: str) -> tuple[str, int, int, int, dict]:
             o["attn"] = opt[5:]
         elif opt.startswith("kv="):
             o["kv"] = opt[3:]
+        elif opt == "msa=xla":
+            o["msa"] = "xla"
         else:
             raise SystemExit(f"{config}: unknown option {opt}")
     return shape, b, p, int(new), o
@@ -74,7 +77,7 @@ def run_one(config: str) -> dict:
     from benchmarks.tpu.train_step import shape_config
     from posttrain.models import CausalLM
     from posttrain.models.layers import attention_impl, keys_slot_major
-    from rollout.jax_engine import DECODE_PHASES, _generate, phase_ends
+    from rollout.jax_engine import DECODE_PHASES, generate_program, phase_ends
 
     shape, b, p, new, o = parse_config(config)
     jax.config.update("jax_exec_time_optimization_effort", o["effort"])
@@ -89,6 +92,8 @@ def run_one(config: str) -> dict:
     lens = jnp.full((b,), p, jnp.int32)
     stop = jnp.full((4,), -1, jnp.int32)
     phases = phase_ends(new, DECODE_PHASES)
+
+    _generate = generate_program(jax.default_backend() if o["msa"] == "engine" else None)
 
     def gen(max_new: int):
         out = _generate(graphdef, state, tokens, lens, jax.random.key(0), jnp.float32(1.0),
@@ -120,6 +125,7 @@ def run_one(config: str) -> dict:
     dev = jax.devices()[0]
     res = {"config": config, "shape": shape, "batch": b, "prompt": p, "new": new,
            "scan_layers": cfg.scan_layers, "kv_int8": o["int8"], "top_p": o["top_p"], "compile_effort": o["effort"],
+           "msa": o["msa"],
            "attention": attention_impl(cfg, 1, cached=True),
            "keys_slot_major": keys_slot_major(cfg),
            "phases": list(phases),

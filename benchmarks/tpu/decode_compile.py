@@ -12,10 +12,14 @@ Pallas decode kernel, which with `+scan` reads each layer of the stacked cache i
 the compile grows with depth), `+step` (instead: one decode step, the model's forward of one
 token over a cache of PROMPT + NEW slots and the sampler at temperature 1 over the whole
 vocabulary, with XLA's count of the bytes it accesses: HBM traffic without the chip). Each
-configuration lowers and compiles `rollout.jax_engine._generate` once, with abstract bf16
-weights, in a process of its own (libtpu's compile holds its memory), and reports lower and
-compile seconds and XLA's temporaries. The runtime of a program is the chip's to measure
-(`benchmarks.tpu.decode`); this measures what a cold run waits before its first rollout.
+configuration lowers and compiles the engine's TPU program (`rollout.jax_engine.generate_program`;
+`+msa=xla`: without its options) once, with abstract bf16 weights, in a process of its own
+(libtpu's compile holds its memory), and reports lower and compile seconds, XLA's temporaries and
+`kv_vmem_copies_per_step`: per decode loop body that has any, how many copies of a KV buffer,
+whole or sliced, XLA's memory-space assignment makes into VMEM per step
+(`hlo_cost.loop_vmem_copies`; the engine's TPU options are there to keep it empty). The runtime
+of a program is the chip's to measure (`benchmarks.tpu.decode`); this measures what a cold run
+waits before its first rollout.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import time
 from pathlib import Path
 
 from benchmarks.tpu.decode import parse_config
+from benchmarks.tpu.hlo_cost import loop_vmem_copies
 from benchmarks.tpu.train_step import save_results, shape_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +66,7 @@ def run_one(config: str, save: str | None = None) -> dict:
     from posttrain.models import CausalLM
     from posttrain.models.layers import building_for
     from posttrain.plan import target_devices
-    from rollout.jax_engine import _generate, phase_ends
+    from rollout.jax_engine import generate_program, phase_ends
 
     shape, b, p, new, o = parse(config)
     jax.config.update("jax_exec_time_optimization_effort", o["effort"])
@@ -84,7 +89,7 @@ def run_one(config: str, save: str | None = None) -> dict:
             return {"config": config, **step_cost(graphdef, state, cfg, b, p + new, key, abstract)}
         phases = phase_ends(new, o["phases"])
         t0 = time.perf_counter()
-        lowered = _generate.lower(
+        lowered = generate_program("tpu" if o["msa"] == "engine" else None).lower(
             graphdef, state, abstract((b, p), jnp.int32), abstract((b,), jnp.int32),
             key, abstract((), jnp.float32), abstract((), jnp.int32),
             abstract((), jnp.float32), abstract((), jnp.bool_), abstract((), jnp.int32),
@@ -92,12 +97,15 @@ def run_one(config: str, save: str | None = None) -> dict:
         t1 = time.perf_counter()
         compiled = lowered.compile()
         t2 = time.perf_counter()
+        text = compiled.as_text()
         if save:  # the compiled program, for `python -m benchmarks.tpu.hlo_cost --hlo`
             Path(save).mkdir(parents=True, exist_ok=True)
-            (Path(save) / f"{config.replace(':', '_')}.hlo.txt").write_text(compiled.as_text())
+            (Path(save) / f"{config.replace(':', '_')}.hlo.txt").write_text(text)
+    kv_shape = rf"(bf16|s8)\[{b},{cfg.num_key_value_heads},\d+,{cfg.head_dim}\]"
     return {"config": config, "layers": cfg.num_hidden_layers, "scan_layers": o["scan"],
-            "phases": list(phases), "kv_int8": o["int8"], "attention": o["attn"], "lower_s": t1 - t0,
-            "compile_s": t2 - t1, "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+            "phases": list(phases), "kv_int8": o["int8"], "attention": o["attn"], "msa": o["msa"], "lower_s": t1 - t0,
+            "compile_s": t2 - t1, "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+            "kv_vmem_copies_per_step": sorted(loop_vmem_copies(text, kv_shape).values())}
 
 
 def step_cost(graphdef, state, cfg, b: int, slots: int, key, abstract) -> dict:

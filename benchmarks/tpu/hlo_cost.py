@@ -123,6 +123,23 @@ def read_program(text: str) -> Program:
     return prog
 
 
+_ASYNC_TO_VMEM = re.compile(r"%[\w.\-]+ = \(+([a-z0-9]+\[[\d,]*\])\{[^}]*\}\)?, "
+                            r"[a-z0-9]+\[[\d,]*\]\{[^}]*S\(1\)\}[^\n]*? (copy-start|slice-start)\(")
+
+
+def loop_vmem_copies(text: str, shape: str) -> dict[str, int]:
+    """{while-loop body: copies per iteration} of a compiled TPU program, for the bodies where
+    memory-space assignment copies buffers whose shape matches the regex `shape` into VMEM
+    (memory space S(1)), whole (`copy-start`) or in slices (`slice-start`, each slice counted).
+    A decode loop that copies its KV cache this way waits on the copies (BENCHMARKS.md)."""
+    comps = computations(text)
+    bodies = {m.group(1) for lines in comps.values() for line in lines
+              for m in [re.search(r" while\(.*body=%([\w.\-]+)", line)] if m}
+    counts = {b: sum(1 for line in comps[b] for m in [_ASYNC_TO_VMEM.search(line)]
+                     if m and re.fullmatch(shape, m.group(1))) for b in bodies if b in comps}
+    return {b: n for b, n in counts.items() if n}
+
+
 def report(prog: Program, top: int, chip: dict | None = None) -> None:
     for name, trips, ms in prog.loops:
         print(f"loop {name} x{trips}: {ms:.1f} ms")

@@ -204,9 +204,10 @@ def break_the_decode(monkeypatch):
     teacher-forced score still has them."""
     from rollout import jax_engine
 
-    real = jax_engine._generate
-    monkeypatch.setattr(jax_engine, "_generate", lambda graphdef, state, *a, **k: real(
-        graphdef, without_adapters(state, graphdef), *a, **k))
+    real = jax_engine.generate_program
+    monkeypatch.setattr(jax_engine, "generate_program", lambda platform: (
+        lambda graphdef, state, *a, **k: real(platform)(
+            graphdef, without_adapters(state, graphdef), *a, **k)))
 
 
 @pytest.mark.parametrize("int8_base", [False, True])
