@@ -1,6 +1,7 @@
 """The JAX engine's decode on an accelerator: ms per decode step against the HBM roofline.
 
     python -m benchmarks.tpu.decode [--configs 0.6b:64x128+128,...] [--out DIR] [--dry-run]
+                                    [--peer tunix]
 
 A configuration is SHAPE:BATCHxPROMPT+NEW with optional options: `+profile` (where the device
 time goes: `benchmarks.tpu.profile`), `+scan` (scanned layers over a stacked [L, ...] cache;
@@ -21,6 +22,11 @@ the sampler with log-probs and kept counts), BATCH distinct prompts of PROMPT to
 tokens with no stop token. The per-step time is (t(NEW) - t(1)) / (NEW - 1): the same compiled
 program run to NEW tokens and to one (prefill and the last sample only), medians of 3 calls.
 
+`--peer tunix`: then Tunix 0.1.7's vanilla sampler on each BATCHxPROMPT+NEW of the bf16
+configurations, in a process of its own (`benchmarks.tpu.tunix_decode`: its own Qwen3, the same
+prompts' length, temperature 1 over the whole vocabulary, log-probs, the same timing); our rows
+of a shape it ran get `tunix_step_ms` and `ours_over_tunix`.
+
 Rooflines (819 GB/s, TPU v5e HBM): `weights` reads every matmul weight once per step (bf16;
 the LM head included, the embedding lookup not); `weights+kv` adds the KV cache a step reads,
 averaged over the generation (B x layers x 2 x kv_heads x head_dim x 2 bytes x (PROMPT + NEW/2);
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -66,6 +73,21 @@ def parse_config(config: str) -> tuple[str, int, int, int, dict]:
         else:
             raise SystemExit(f"{config}: unknown option {opt}")
     return shape, b, p, int(new), o
+
+
+def per_step_seconds(gen, new: int, calls: int = 3) -> tuple[float, float, float]:
+    """(t(NEW), t(1), the decode step's seconds): `gen(n)` generates n tokens (compiled for both
+    already); medians of `calls` calls; the step is (t(NEW) - t(1)) / (NEW - 1)."""
+    def timed(n: int) -> float:
+        ts = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            gen(n)
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    t_new, t_one = timed(new), timed(1)
+    return t_new, t_one, (t_new - t_one) / (new - 1)
 
 
 def run_one(config: str) -> dict:
@@ -107,16 +129,7 @@ def run_one(config: str) -> dict:
     compile_s = time.perf_counter() - t0
     assert int(out[3].min()) == new, "every row decodes NEW tokens (no stop token)"
 
-    def timed(max_new: int) -> float:
-        ts = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            gen(max_new)
-            ts.append(time.perf_counter() - t0)
-        return float(np.median(ts))
-
-    t_new, t_one = timed(new), timed(1)
-    step_s = (t_new - t_one) / (new - 1)
+    t_new, t_one, step_s = per_step_seconds(gen, new)
     weights = 2 * cfg.matmul_params()
     per_value = 1 + 4 / cfg.head_dim if o["int8"] else 2  # int8: + an f32 scale per head_dim
     kv = b * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * per_value \
@@ -152,6 +165,9 @@ def main():
                     "0.6b:256x128+128,0.6b:256x128+512")
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (the test suite)")
+    ap.add_argument("--peer", default="", choices=["", "tunix"],
+                    help="tunix: Tunix's vanilla sampler on the same shapes after ours (needs "
+                         "$TUNIX_PATH: `source .whl-tpu/setup.sh` on the TPU machine)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one configuration
     args = ap.parse_args()
     if args.one:
@@ -169,8 +185,42 @@ def main():
         results["runs"].append(res)
         print(json.dumps({k: v for k, v in res.items() if k != "profile_per_generate"}), flush=True)
         save_results(args.out, "decode.json", results)
+    if args.peer == "tunix":
+        tunix_peer(results, configs, args, env)
     if any("error" in r for r in results["runs"]) and args.dry_run:
         sys.exit(1)
+
+
+def tunix_peer(results: dict, configs: str, args, env: dict) -> None:
+    """Tunix's vanilla sampler (`benchmarks.tpu.tunix_decode`, Tunix on its path alone) on each
+    BATCHxPROMPT+NEW of the bf16 configurations, after ours; each of our rows of a shape it ran
+    gets `tunix_step_ms` and `ours_over_tunix` (its step time over ours)."""
+    from benchmarks.tpu.train_step import save_results
+
+    shapes = list(dict.fromkeys(c.split(":")[1].split("+")[0] + "+" + c.split("+")[1]
+                                for c in configs.split(",") if "+int8" not in c))
+    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [
+        os.environ.get("TUNIX_PATH"), env.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "benchmarks.tpu.tunix_decode", "--shapes", ",".join(shapes),
+           *(["--tiny"] if args.dry_run else [])]
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        for line in proc.stdout:  # a shape's row as soon as it is measured
+            if not line.startswith("@@"):
+                continue
+            peer = json.loads(line[2:])
+            results["runs"].append(peer)
+            for ours in results["runs"]:
+                same = ours.get("config", "").split(":")[-1].split("+")[:2] == peer["shape"].split("+")
+                if same and "step_ms" in ours and "step_ms" in peer and not ours.get("kv_int8"):
+                    ours["tunix_step_ms"] = peer["step_ms"]
+                    ours["ours_over_tunix"] = peer["step_ms"] / ours["step_ms"]
+            print(json.dumps(peer), flush=True)
+            save_results(args.out, "decode.json", results)
+        err = proc.stderr.read()
+    if proc.returncode:
+        results["runs"].append({"peer": "tunix", "error": err[-1500:]})
+        save_results(args.out, "decode.json", results)
 
 
 if __name__ == "__main__":
