@@ -227,3 +227,18 @@ def test_hlo_cost_counts_a_decode_loops_kv_copies_into_vmem():
     assert loop_vmem_copies(text, r"bf16\[128,8,\d+,128\]") == {"decode_body": 3}
     assert loop_vmem_copies(text, r"bf16\[1024,3072\]") == {"decode_body": 1, "sampler_body": 1}
     assert loop_vmem_copies(text, r"bf16\[64,8,\d+,128\]") == {}
+
+
+def test_tpu_kv_write_dry_run_times_each_cache_type(tmp_path):
+    """`benchmarks/tpu/kv_write.py` (the decode's per-step KV row writes alone, by cache element
+    type) stays runnable: its CPU dry run times every variant and counts the written bytes (a
+    u32 pair of bf16 K and V holds bf16's bytes in half the buffers)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    r = subprocess.run([sys.executable, "-m", "benchmarks.tpu.kv_write", "--dry-run",
+                        "--out", str(tmp_path)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    runs = {x["variant"]: x for x in json.loads((tmp_path / "kv_write.json").read_text())["runs"]}
+    assert set(runs) == {"bf16", "f32", "pair32"} and all(x["step_us"] > 0 for x in runs.values())
+    assert runs["pair32"]["row_bytes"] == runs["bf16"]["row_bytes"] == runs["f32"]["row_bytes"] // 2
+    assert runs["pair32"]["buffers"] * 2 == runs["bf16"]["buffers"]
