@@ -41,6 +41,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -203,8 +204,9 @@ def tunix_peer(results: dict, configs: str, args, env: dict) -> None:
         os.environ.get("TUNIX_PATH"), env.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "benchmarks.tpu.tunix_decode", "--shapes", ",".join(shapes),
            *(["--tiny"] if args.dry_run else [])]
-    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as proc:
+    # stderr to a file: a pipe left unread while stdout streams fills and stalls the child
+    with tempfile.TemporaryFile("w+") as log, subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True) as proc:
         for line in proc.stdout:  # a shape's row as soon as it is measured
             if not line.startswith("@@"):
                 continue
@@ -217,7 +219,9 @@ def tunix_peer(results: dict, configs: str, args, env: dict) -> None:
                     ours["ours_over_tunix"] = peer["step_ms"] / ours["step_ms"]
             print(json.dumps(peer), flush=True)
             save_results(args.out, "decode.json", results)
-        err = proc.stderr.read()
+        proc.wait()
+        log.seek(0)
+        err = log.read()
     if proc.returncode:
         results["runs"].append({"peer": "tunix", "error": err[-1500:]})
         save_results(args.out, "decode.json", results)
