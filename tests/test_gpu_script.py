@@ -113,15 +113,15 @@ def test_tpu_decode_dry_run_writes_its_table(tmp_path):
 def test_tpu_decode_attention_dry_run_compares_the_kernel_with_xla(tmp_path):
     """`benchmarks/tpu/decode_attention.py` stays runnable: its CPU dry run times the interpreted
     Pallas decode kernel beside XLA's attention (bf16 and int8 caches, one and two slot blocks,
-    matmuls and vector multiply-adds)
-    and they agree to bf16 rounding."""
+    transposed and slot-major keys) and they agree to bf16 rounding."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     r = subprocess.run([sys.executable, "-m", "benchmarks.tpu.decode_attention", "--dry-run",
                         "--out", str(tmp_path)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     runs = json.loads((tmp_path / "decode_attention.json").read_text())["runs"]
-    assert [r["int8"] for r in runs] == [False, True] and runs[0]["block"] == [4, 128]
+    assert [r["int8"] for r in runs] == [False, True, True] and runs[0]["block"] == [4, 128]
+    assert [r["keys_slot_major"] for r in runs] == [False, False, True]
     for run in runs:
         assert run["xla_us"] > 0 and run["kernel_us"] > 0
         assert run["max_abs_diff"] < 2e-2  # bf16 outputs of order 1: a few ulps

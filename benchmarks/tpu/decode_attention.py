@@ -3,7 +3,8 @@ kernel (`posttrain.models.decode_attention`), per layer call, against the HBM ro
 
     python -m benchmarks.tpu.decode_attention [--configs 64x256,128x256,...] [--out DIR] [--dry-run]
 
-A configuration is BATCHxSLOTS with options: `+int8` (the int8 cache with its scales),
+A configuration is BATCHxSLOTS with options: `+int8` (the int8 cache with its scales), `+kv=sd`
+(keys slot-major, [B, K, S, D], as the engine caches them on a TPU; default `kv=ds`, transposed),
 `+rows=R+slots=S` (the kernel's block). The Qwen3-0.6B attention shape (8 KV heads, G = 2,
 head_dim 128), bf16, every slot visible, one query token per row. Each line times, in the same
 process, `layers.dot_attention` (the XLA path the engine ran before) and the kernel on the same
@@ -28,10 +29,12 @@ LAYERS = 28
 def parse(config: str) -> tuple[int, int, dict]:
     head, *opts = config.split("+")
     b, s = map(int, head.split("x"))
-    o = {"int8": False, "rows": None, "slots": None}
+    o = {"int8": False, "rows": None, "slots": None, "slot_major": False}
     for opt in opts:
         if opt == "int8":
             o["int8"] = True
+        elif opt in ("kv=sd", "kv=ds"):
+            o["slot_major"] = opt == "kv=sd"
         elif opt.startswith(("rows=", "slots=")):
             k, v = opt.split("=")
             o[k] = int(v)
@@ -55,8 +58,11 @@ def run(config: str, kh: int = 8, g: int = 2, d: int = 128, layers_n: int = LAYE
         return jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
 
     q, kt, v = normal(b, 1, kh * g, d), normal(b, kh, d, s), normal(b, kh, s, d)
+    sd = o["slot_major"]
+    if sd:  # keys as the values are, [B, K, S, D]: the engine's cache on a TPU
+        kt = jnp.swapaxes(kt, -1, -2)
     if o["int8"]:
-        kt, v = layers.quantize_kv(kt, -2), layers.quantize_kv(v, -1)
+        kt, v = layers.quantize_kv(kt, -1 if sd else -2), layers.quantize_kv(v, -1)
     mask = jnp.ones((b, 1, s), bool)
     rows, slots = o["rows"], o["slots"]
     if rows is None or slots is None:
@@ -65,17 +71,18 @@ def run(config: str, kh: int = 8, g: int = 2, d: int = 128, layers_n: int = LAYE
     bias = jnp.zeros((b, s), jnp.float32)
 
     def xla(q, kt, v):
-        return layers.dot_attention(q, kt, v, mask).reshape(b, kh, g, d)
+        return layers.dot_attention(q, kt, v, mask, slot_major=sd).reshape(b, kh, g, d)
 
     def kernel(q, kt, v):
-        return decode_attention(q, kt, v, bias, rows=rows, slots=slots)
+        return decode_attention(q, kt, v, bias, rows=rows, slots=slots, slot_major=sd)
 
     def layered(f):  # LAYERS calls, each feeding the next (nothing hoisted or merged)
         def body(_, x):
             return f(x, kt, v).astype(x.dtype).reshape(x.shape)
         return jax.jit(lambda x: jax.lax.fori_loop(0, layers_n, body, x))
 
-    res = {"config": config, "batch": b, "slots": s, "int8": o["int8"], "block": [rows, slots],
+    res = {"config": config, "batch": b, "slots": s, "int8": o["int8"], "keys_slot_major": sd,
+           "block": [rows, slots],
            "device": str(jax.devices()[0].device_kind)}
     ref = jax.jit(xla)(q, kt, v).astype(jnp.float32)
     got = jax.jit(kernel)(qs, kt, v).astype(jnp.float32)
@@ -106,7 +113,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (the test suite)")
     args = ap.parse_args()
-    configs = "4x256+rows=4+slots=128,4x128+int8" if args.dry_run else args.configs
+    configs = ("4x256+rows=4+slots=128,4x128+int8,4x128+int8+kv=sd" if args.dry_run
+               else args.configs)
     results = {"runs": []}
     for c in configs.split(","):
         try:
