@@ -154,10 +154,18 @@ _generate_programs = {
 }
 
 
-def generate_program(platform: str | None):
+def generate_program(platform: str | None, options: dict | None = None):
     """The jitted `_generate_impl` for a platform ("tpu", "cpu", ...): with XLA options of its
-    own where that platform's compiler needs them (TPU_DECODE_OPTIONS), plain elsewhere."""
-    return _generate_programs.get(platform, _generate_programs[None])
+    own where that platform's compiler needs them (TPU_DECODE_OPTIONS), plain elsewhere.
+    `options`: more XLA options over those (a benchmark's A/B), a program of their own."""
+    if not options:
+        return _generate_programs.get(platform, _generate_programs[None])
+    key = (platform, tuple(sorted(options.items())))
+    if key not in _generate_programs:
+        base = TPU_DECODE_OPTIONS if platform == "tpu" else {}
+        _generate_programs[key] = jax.jit(_generate_impl, static_argnames=_GENERATE_STATIC,
+                                          compiler_options={**base, **options})
+    return _generate_programs[key]
 
 
 class ProgramShape(NamedTuple):

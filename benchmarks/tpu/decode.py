@@ -12,7 +12,8 @@ KV cache in int8 with a scale per token and head: `rollout.kv_cache_dtype`), `+a
 Pallas decode kernel over the cache instead of XLA's attention: `model.attention`), `+kv=ds|sd`
 (the keys' cache layout, `model.kv_layout`: transposed or slot-major; default auto, slot-major
 on a TPU), `+msa=xla` (compile without the engine's TPU options, `rollout.jax_engine.TPU_DECODE_OPTIONS`:
-XLA's default memory-space assignment, which copies each layer's KV cache into VMEM per step), e.g.
+XLA's default memory-space assignment, which copies each layer's KV cache into VMEM per step),
+`+xla=NAME:VALUE` (an XLA option for this program over the engine's, for an A/B), e.g.
 `0.6b:128x128+128+profile`.
 
 Each configuration runs in a process of its own (one process holds the chip; one that runs out
@@ -55,7 +56,7 @@ def parse_config(config: str) -> tuple[str, int, int, int, dict]:
     shape, bp = head.split(":")
     b, p = map(int, bp.split("x"))
     o = {"profile": False, "scan": False, "top_p": 1.0, "effort": 0.0, "int8": False,
-         "attn": "auto", "kv": "auto", "msa": "engine"}
+         "attn": "auto", "kv": "auto", "msa": "engine", "xla": {}}
     for opt in opts:
         if opt in ("profile", "scan", "int8"):
             o[opt] = True
@@ -71,9 +72,24 @@ def parse_config(config: str) -> tuple[str, int, int, int, dict]:
             o["kv"] = opt[3:]
         elif opt == "msa=xla":
             o["msa"] = "xla"
+        elif opt.startswith("xla="):  # xla=NAME:VALUE, an XLA option for this program
+            name, value = opt[4:].split(":", 1)
+            o["xla"][name] = xla_option_value(value)
         else:
             raise SystemExit(f"{config}: unknown option {opt}")
     return shape, b, p, int(new), o
+
+
+def xla_option_value(text: str):
+    """An XLA option's value from its text: a bool, an int, a float, else the string."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def per_step_seconds(gen, new: int, calls: int = 3) -> tuple[float, float, float]:
@@ -116,7 +132,7 @@ def run_one(config: str) -> dict:
     stop = jnp.full((4,), -1, jnp.int32)
     phases = phase_ends(new, DECODE_PHASES)
 
-    _generate = generate_program(jax.default_backend() if o["msa"] == "engine" else None)
+    _generate = generate_program(jax.default_backend() if o["msa"] == "engine" else None, o["xla"])
 
     def gen(max_new: int):
         out = _generate(graphdef, state, tokens, lens, jax.random.key(0), jnp.float32(1.0),
@@ -139,7 +155,7 @@ def run_one(config: str) -> dict:
     dev = jax.devices()[0]
     res = {"config": config, "shape": shape, "batch": b, "prompt": p, "new": new,
            "scan_layers": cfg.scan_layers, "kv_int8": o["int8"], "top_p": o["top_p"], "compile_effort": o["effort"],
-           "msa": o["msa"],
+           "msa": o["msa"], "xla_options": o["xla"],
            "attention": attention_impl(cfg, 1, cached=True),
            "keys_slot_major": keys_slot_major(cfg),
            "phases": list(phases),

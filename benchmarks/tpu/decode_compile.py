@@ -89,7 +89,7 @@ def run_one(config: str, save: str | None = None) -> dict:
             return {"config": config, **step_cost(graphdef, state, cfg, b, p + new, key, abstract)}
         phases = phase_ends(new, o["phases"])
         t0 = time.perf_counter()
-        lowered = generate_program("tpu" if o["msa"] == "engine" else None).lower(
+        lowered = generate_program("tpu" if o["msa"] == "engine" else None, o["xla"]).lower(
             graphdef, state, abstract((b, p), jnp.int32), abstract((b,), jnp.int32),
             key, abstract((), jnp.float32), abstract((), jnp.int32),
             abstract((), jnp.float32), abstract((), jnp.bool_), abstract((), jnp.int32),
@@ -103,7 +103,8 @@ def run_one(config: str, save: str | None = None) -> dict:
             (Path(save) / f"{config.replace(':', '_')}.hlo.txt").write_text(text)
     kv_shape = rf"(bf16|s8)\[{b},{cfg.num_key_value_heads},\d+,{cfg.head_dim}\]"
     return {"config": config, "layers": cfg.num_hidden_layers, "scan_layers": o["scan"],
-            "phases": list(phases), "kv_int8": o["int8"], "attention": o["attn"], "msa": o["msa"], "lower_s": t1 - t0,
+            "phases": list(phases), "kv_int8": o["int8"], "attention": o["attn"], "msa": o["msa"],
+            "xla_options": o["xla"], "lower_s": t1 - t0,
             "compile_s": t2 - t1, "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
             "kv_vmem_copies_per_step": sorted(loop_vmem_copies(text, kv_shape).values())}
 
