@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from collections.abc import Sequence
-from functools import partial
+from collections.abc import Callable, Sequence
+from functools import cache, partial
 from typing import NamedTuple
 
 import jax
@@ -146,26 +146,20 @@ def _generate_impl(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, 
 # decode loop (`benchmarks.tpu.decode_compile`'s `kv_vmem_copies_per_step`), and attention
 # streams the cache from HBM once per step, while the weights' sliced prefetches remain.
 TPU_DECODE_OPTIONS = {"xla_tpu_msa_inefficient_use_to_copy_ratio": 1.0}
-_GENERATE_STATIC = ("graphdef", "gen_len", "group", "phases", "kv_int8")
-_generate_programs = {
-    "tpu": jax.jit(_generate_impl, static_argnames=_GENERATE_STATIC,
-                   compiler_options=TPU_DECODE_OPTIONS),
-    None: jax.jit(_generate_impl, static_argnames=_GENERATE_STATIC),
-}
 
 
-def generate_program(platform: str | None, options: dict | None = None):
+@cache
+def _program(tpu: bool, options: tuple) -> Callable:
+    static = ("graphdef", "gen_len", "group", "phases", "kv_int8")
+    return jax.jit(_generate_impl, static_argnames=static,
+                   compiler_options={**(TPU_DECODE_OPTIONS if tpu else {}), **dict(options)} or None)
+
+
+def generate_program(platform: str | None, options: dict | None = None) -> Callable:
     """The jitted `_generate_impl` for a platform ("tpu", "cpu", ...): with XLA options of its
     own where that platform's compiler needs them (TPU_DECODE_OPTIONS), plain elsewhere.
     `options`: more XLA options over those (a benchmark's A/B), a program of their own."""
-    if not options:
-        return _generate_programs.get(platform, _generate_programs[None])
-    key = (platform, tuple(sorted(options.items())))
-    if key not in _generate_programs:
-        base = TPU_DECODE_OPTIONS if platform == "tpu" else {}
-        _generate_programs[key] = jax.jit(_generate_impl, static_argnames=_GENERATE_STATIC,
-                                          compiler_options={**base, **options})
-    return _generate_programs[key]
+    return _program(platform == "tpu", tuple(sorted((options or {}).items())))
 
 
 class ProgramShape(NamedTuple):

@@ -214,8 +214,11 @@ def tunix_peer(results: dict, configs: str, args, env: dict) -> None:
     gets `tunix_step_ms` and `ours_over_tunix` (its step time over ours)."""
     from benchmarks.tpu.train_step import save_results
 
-    shapes = list(dict.fromkeys(c.split(":")[1].split("+")[0] + "+" + c.split("+")[1]
-                                for c in configs.split(",") if "+int8" not in c))
+    def shape(config: str) -> str | None:  # BATCHxPROMPT+NEW of a bf16 configuration
+        _, b, p, new, o = parse_config(config)
+        return None if o["int8"] else f"{b}x{p}+{new}"
+
+    shapes = list(dict.fromkeys(filter(None, map(shape, configs.split(",")))))
     env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [
         os.environ.get("TUNIX_PATH"), env.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "benchmarks.tpu.tunix_decode", "--shapes", ",".join(shapes),
@@ -229,8 +232,8 @@ def tunix_peer(results: dict, configs: str, args, env: dict) -> None:
             peer = json.loads(line[2:])
             results["runs"].append(peer)
             for ours in results["runs"]:
-                same = ours.get("config", "").split(":")[-1].split("+")[:2] == peer["shape"].split("+")
-                if same and "step_ms" in ours and "step_ms" in peer and not ours.get("kv_int8"):
+                if ("step_ms" in ours and "step_ms" in peer and "config" in ours
+                        and shape(ours["config"]) == peer["shape"]):
                     ours["tunix_step_ms"] = peer["step_ms"]
                     ours["ours_over_tunix"] = peer["step_ms"] / ours["step_ms"]
             print(json.dumps(peer), flush=True)

@@ -62,10 +62,9 @@ def run_shape(shape: str, tiny: bool) -> dict:
             head_dim=cfg.head_dim))
 
         def gen(steps: int):
-            out = sampler(prompts, max_generation_steps=steps, max_prompt_length=p,
-                          temperature=1.0, top_p=1.0, top_k=None, return_logprobs=True,
-                          eos_tokens=[cfg.vocab_size], seed=0)
-            return out
+            return sampler(prompts, max_generation_steps=steps, max_prompt_length=p,
+                           temperature=1.0, top_p=1.0, top_k=None, return_logprobs=True,
+                           eos_tokens=[cfg.vocab_size], seed=0)
 
         t0 = time.perf_counter()
         out = gen(new)
