@@ -28,7 +28,7 @@ from flax import nnx
 from posttrain.data.packing import bucket_up, packed_rows
 from posttrain.models.export import host_array
 from posttrain.models.hf import our_path, our_tensors
-from posttrain.models.layers import key_axes
+from posttrain.models.layers import kv_axes
 from posttrain.models.loading import set_params
 from posttrain.models.transformer import CausalLM, KVCache, layer_unstacker
 from posttrain.train.step import token_logprobs
@@ -95,7 +95,8 @@ def _generate_impl(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, 
             jnp.take_along_axis(x, (lens_b - 1)[:, None, None], axis=1))[:, 0])  # last tokens only
     else:
         cache, last = _packed_prefill(model, packing, lens_b, tp + ends[0], kv_dtype)
-    cache, last, lens_b = cache.repeat(group), jnp.repeat(last, group, 0), jnp.repeat(lens_b, group)
+    cache, last, lens_b = (cache.repeat(group, model.cfg), jnp.repeat(last, group, 0),
+                          jnp.repeat(lens_b, group))
     b = u * group
 
     def cond(c, end):  # a forward per token but the last: it is sampled, never fed back
@@ -238,6 +239,8 @@ def _packed_prefill(model, packing, lens_b, slots: int, kv_dtype=None):
     valid = j[None, :] < lens_b[:, None]
 
     def unpack(buf, slot_axis: int):  # [R, K, D, T] (transposed keys) or [R, K, T, D] -> [U, ...]
+        if slot_axis == 0:  # [T, K, R, D] (`kv_layout` skbd): as [R, K, T, D] and back
+            return unpack(buf.transpose(2, 1, 0, 3), 2).transpose(2, 1, 0, 3)
         rows = buf[row]
         idx = src[:, None, None, :] if slot_axis == 3 else src[:, None, :, None]
         keep = valid[:, None, None, :] if slot_axis == 3 else valid[:, None, :, None]
@@ -246,13 +249,13 @@ def _packed_prefill(model, packing, lens_b, slots: int, kv_dtype=None):
         pad[slot_axis] = (0, slots - t)
         return jnp.pad(out, pad)
 
-    k_slots = 4 + key_axes(model.cfg)[0]  # of [R, K, ., .]
-    if model.cfg.scan_layers:  # [L, R, ...]
+    k_slots, v_slots = (4 + kv_axes(model.cfg, key)[1] for key in (True, False))  # of 4 axes
+    if model.cfg.scan_layers:  # [L, ...]
         k = jax.tree.map(jax.vmap(lambda b: unpack(b, k_slots)), packed.k)
-        v = jax.tree.map(jax.vmap(lambda b: unpack(b, 2)), packed.v)
+        v = jax.tree.map(jax.vmap(lambda b: unpack(b, v_slots)), packed.v)
     else:  # a buffer per layer (int8: its values and scales alike)
         k = jax.tree.map(lambda b: unpack(b, k_slots), packed.k)
-        v = jax.tree.map(lambda b: unpack(b, 2), packed.v)
+        v = jax.tree.map(lambda b: unpack(b, v_slots), packed.v)
     pos = jnp.pad(jnp.where(valid, j, 0), ((0, 0), (0, slots - t)))
     seg = jnp.pad(valid.astype(jnp.int32), ((0, 0), (0, slots - t)))
     return KVCache(k, v, pos, seg, jnp.asarray(t, jnp.int32)), last

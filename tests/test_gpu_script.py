@@ -99,6 +99,7 @@ def test_tpu_decode_dry_run_writes_its_table(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     plain, nucleus = json.loads((tmp_path / "decode.json").read_text())["runs"]
     assert plain["scan_layers"] and not nucleus["scan_layers"] and nucleus["top_p"] == 0.9
+    assert plain["kv_layout"] == "skbd"  # the stacked slot-outermost cache, pinned in place
     for run in (plain, nucleus):
         assert run["step_ms"] > 0 and run["generate_s"] > run["prefill_s"]
         assert run["weights_bytes"] > 0 and run["kv_bytes_per_step"] > 0
@@ -113,17 +114,20 @@ def test_tpu_decode_dry_run_writes_its_table(tmp_path):
 def test_tpu_decode_attention_dry_run_compares_the_kernel_with_xla(tmp_path):
     """`benchmarks/tpu/decode_attention.py` stays runnable: its CPU dry run times the interpreted
     Pallas decode kernel beside XLA's attention (bf16 and int8 caches, one and two slot blocks,
-    transposed and slot-major keys) and they agree to bf16 rounding."""
+    transposed and slot-major keys), and XLA's attention over the slot-outermost cache beside
+    XLA's over slot-major keys; each pair agrees to bf16 rounding."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     r = subprocess.run([sys.executable, "-m", "benchmarks.tpu.decode_attention", "--dry-run",
                         "--out", str(tmp_path)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     runs = json.loads((tmp_path / "decode_attention.json").read_text())["runs"]
-    assert [r["int8"] for r in runs] == [False, True, True] and runs[0]["block"] == [4, 128]
-    assert [r["keys_slot_major"] for r in runs] == [False, False, True]
+    assert [r["int8"] for r in runs] == [False, True, True, False, True]
+    assert runs[0]["block"] == [4, 128]
+    assert [r["layout"] for r in runs] == ["ds", "ds", "sd", "skbd", "skbd"]
     for run in runs:
-        assert run["xla_us"] > 0 and run["kernel_us"] > 0
+        other = "xla_sd_us" if run["layout"] == "skbd" else "kernel_us"
+        assert run["xla_us"] > 0 and run[other] > 0
         assert run["max_abs_diff"] < 2e-2  # bf16 outputs of order 1: a few ulps
 
 
@@ -231,14 +235,18 @@ def test_hlo_cost_counts_a_decode_loops_kv_copies_into_vmem():
 
 def test_tpu_kv_write_dry_run_times_each_cache_type(tmp_path):
     """`benchmarks/tpu/kv_write.py` (the decode's per-step KV row writes alone, by cache element
-    type) stays runnable: its CPU dry run times every variant and counts the written bytes (a
-    u32 pair of bf16 K and V holds bf16's bytes in half the buffers)."""
+    type and layout) stays runnable: its CPU dry run times every variant and counts the written
+    bytes (a u32 pair of bf16 K and V holds bf16's bytes in half the buffers)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     r = subprocess.run([sys.executable, "-m", "benchmarks.tpu.kv_write", "--dry-run",
                         "--out", str(tmp_path)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     runs = {x["variant"]: x for x in json.loads((tmp_path / "kv_write.json").read_text())["runs"]}
-    assert set(runs) == {"bf16", "f32", "pair32"} and all(x["step_us"] > 0 for x in runs.values())
+    assert set(runs) == {"bf16", "f32", "pair32", "skbd"}
+    assert all(x["step_us"] > 0 for x in runs.values())
     assert runs["pair32"]["row_bytes"] == runs["bf16"]["row_bytes"] == runs["f32"]["row_bytes"] // 2
+    # the slot-outermost cache writes whole tiles: 16x fewer bytes moved than bf16's rewrite
+    assert runs["skbd"]["row_bytes"] == runs["bf16"]["row_bytes"]
+    assert runs["skbd"]["tile_rmw_bytes"] * 16 == runs["bf16"]["tile_rmw_bytes"]
     assert runs["pair32"]["buffers"] * 2 == runs["bf16"]["buffers"]

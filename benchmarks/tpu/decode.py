@@ -9,9 +9,9 @@ the default is unrolled layers, one KV buffer per layer, as the engine decodes:
 `rollout.unroll_layers`; `+unroll` says so explicitly), `+topp=P` (nucleus sampling; default temperature 1 and the
 whole vocabulary), `+effort=X` (XLA's execution-time optimisation effort, -1 to 1), `+int8` (the
 KV cache in int8 with a scale per token and head: `rollout.kv_cache_dtype`), `+attn=pallas` (the
-Pallas decode kernel over the cache instead of XLA's attention: `model.attention`), `+kv=ds|sd`
-(the keys' cache layout, `model.kv_layout`: transposed or slot-major; default auto, slot-major
-on a TPU), `+msa=xla` (compile without the engine's TPU options, `rollout.jax_engine.TPU_DECODE_OPTIONS`:
+Pallas decode kernel over the cache instead of XLA's attention: `model.attention`), `+kv=ds|sd|skbd`
+(the cache layout, `model.kv_layout`: keys transposed or slot-major, or keys and values slot
+outermost, [S, K, B, D]; default auto, slot-major on a TPU), `+msa=xla` (compile without the engine's TPU options, `rollout.jax_engine.TPU_DECODE_OPTIONS`:
 XLA's default memory-space assignment, which copies each layer's KV cache into VMEM per step),
 `+xla=NAME:VALUE` (an XLA option for this program over the engine's, for an A/B), e.g.
 `0.6b:128x128+128+profile`.
@@ -115,7 +115,7 @@ def run_one(config: str) -> dict:
 
     from benchmarks.tpu.train_step import shape_config
     from posttrain.models import CausalLM
-    from posttrain.models.layers import attention_impl, keys_slot_major
+    from posttrain.models.layers import attention_impl, kv_layout
     from rollout.jax_engine import DECODE_PHASES, generate_program, phase_ends
 
     shape, b, p, new, o = parse_config(config)
@@ -157,7 +157,7 @@ def run_one(config: str) -> dict:
            "scan_layers": cfg.scan_layers, "kv_int8": o["int8"], "top_p": o["top_p"], "compile_effort": o["effort"],
            "msa": o["msa"], "xla_options": o["xla"],
            "attention": attention_impl(cfg, 1, cached=True),
-           "keys_slot_major": keys_slot_major(cfg),
+           "kv_layout": kv_layout(cfg),
            "phases": list(phases),
            "compile_s": compile_s, "generate_s": t_new, "prefill_s": t_one,
            "step_ms": step_s * 1e3, "tokens_per_s": b / step_s,
@@ -190,7 +190,7 @@ def main():
     if args.one:
         print("@@" + json.dumps(run_one(args.one)))
         return
-    configs = ("tiny:4x32+32+scan+kv=sd,tiny:8x32+48+topp=0.9+profile+int8+attn=pallas" if args.dry_run
+    configs = ("tiny:4x32+32+scan+kv=skbd,tiny:8x32+48+topp=0.9+profile+int8+attn=pallas" if args.dry_run
                else args.configs)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}

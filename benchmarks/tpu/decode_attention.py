@@ -5,6 +5,8 @@ kernel (`posttrain.models.decode_attention`), per layer call, against the HBM ro
 
 A configuration is BATCHxSLOTS with options: `+int8` (the int8 cache with its scales), `+kv=sd`
 (keys slot-major, [B, K, S, D], as the engine caches them on a TPU; default `kv=ds`, transposed),
+`+kv=skbd` (keys and values [S, K, B, D], `model.kv_layout` skbd: the Pallas kernel does not read
+it, so XLA's attention over it is timed beside XLA's over `kv=sd` instead of the kernel),
 `+rows=R+slots=S` (the kernel's block). The Qwen3-0.6B attention shape (8 KV heads, G = 2,
 head_dim 128), bf16, every slot visible, one query token per row. Each line times, in the same
 process, `layers.dot_attention` (the XLA path the engine ran before) and the kernel on the same
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 
 from benchmarks.tpu.decode import HBM_BYTES_S
 from benchmarks.tpu.train_step import save_results
@@ -29,12 +32,12 @@ LAYERS = 28
 def parse(config: str) -> tuple[int, int, dict]:
     head, *opts = config.split("+")
     b, s = map(int, head.split("x"))
-    o = {"int8": False, "rows": None, "slots": None, "slot_major": False}
+    o = {"int8": False, "rows": None, "slots": None, "layout": "ds"}
     for opt in opts:
         if opt == "int8":
             o["int8"] = True
-        elif opt in ("kv=sd", "kv=ds"):
-            o["slot_major"] = opt == "kv=sd"
+        elif opt in ("kv=sd", "kv=ds", "kv=skbd"):
+            o["layout"] = opt[3:]
         elif opt.startswith(("rows=", "slots=")):
             k, v = opt.split("=")
             o[k] = int(v)
@@ -58,11 +61,16 @@ def run(config: str, kh: int = 8, g: int = 2, d: int = 128, layers_n: int = LAYE
         return jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
 
     q, kt, v = normal(b, 1, kh * g, d), normal(b, kh, d, s), normal(b, kh, s, d)
-    sd = o["slot_major"]
+    layout = o["layout"]
+    sd = layout != "ds"  # the kernel's (or, for skbd, the reference's) keys [B, K, S, D]
     if sd:  # keys as the values are, [B, K, S, D]: the engine's cache on a TPU
         kt = jnp.swapaxes(kt, -1, -2)
+    # skbd: the same keys and values as [S, K, B, D]
+    k_o, v_o = (x.transpose(2, 1, 0, 3) for x in (kt, v)) if layout == "skbd" else (None, None)
     if o["int8"]:
         kt, v = layers.quantize_kv(kt, -1 if sd else -2), layers.quantize_kv(v, -1)
+        if k_o is not None:
+            k_o, v_o = layers.quantize_kv(k_o, -1), layers.quantize_kv(v_o, -1)
     mask = jnp.ones((b, 1, s), bool)
     rows, slots = o["rows"], o["slots"]
     if rows is None or slots is None:
@@ -70,28 +78,34 @@ def run(config: str, kh: int = 8, g: int = 2, d: int = 128, layers_n: int = LAYE
     qs = (q * (1 / d ** 0.5)).astype(q.dtype).reshape(b, kh, g, d)
     bias = jnp.zeros((b, s), jnp.float32)
 
-    def xla(q, kt, v):
-        return layers.dot_attention(q, kt, v, mask, slot_major=sd).reshape(b, kh, g, d)
+    def xla(q, kt, v, layout=layout):
+        return layers.dot_attention(q, kt, v, mask, layout).reshape(b, kh, g, d)
 
     def kernel(q, kt, v):
         return decode_attention(q, kt, v, bias, rows=rows, slots=slots, slot_major=sd)
 
-    def layered(f):  # LAYERS calls, each feeding the next (nothing hoisted or merged)
+    def layered(f, kt, v):  # LAYERS calls, each feeding the next (nothing hoisted or merged)
         def body(_, x):
             return f(x, kt, v).astype(x.dtype).reshape(x.shape)
         return jax.jit(lambda x: jax.lax.fori_loop(0, layers_n, body, x))
 
-    res = {"config": config, "batch": b, "slots": s, "int8": o["int8"], "keys_slot_major": sd,
+    res = {"config": config, "batch": b, "slots": s, "int8": o["int8"], "layout": layout,
            "block": [rows, slots],
            "device": str(jax.devices()[0].device_kind)}
-    ref = jax.jit(xla)(q, kt, v).astype(jnp.float32)
-    got = jax.jit(kernel)(qs, kt, v).astype(jnp.float32)
+    if layout == "skbd":  # XLA's attention over [S, K, B, D] against XLA's over [B, K, S, D]
+        ref = jax.jit(partial(xla, layout="sd"))(q, kt, v).astype(jnp.float32)
+        got = jax.jit(xla)(q, k_o, v_o).astype(jnp.float32)
+        timed = (("xla", xla, q, k_o, v_o), ("xla_sd", partial(xla, layout="sd"), q, kt, v))
+    else:
+        ref = jax.jit(xla)(q, kt, v).astype(jnp.float32)
+        got = jax.jit(kernel)(qs, kt, v).astype(jnp.float32)
+        timed = (("xla", xla, q, kt, v), ("kernel", kernel, qs, kt, v))
     res["max_abs_diff"] = float(jnp.max(jnp.abs(ref - got)))
     per_value = 1 + 4 / d if o["int8"] else 2
     kv_bytes = b * 2 * kh * d * s * per_value
     bw = HBM_BYTES_S.get(jax.default_backend())
-    for name, f, x in (("xla", xla, q), ("kernel", kernel, qs)):
-        run_layers = layered(f)  # compiled once, timed after
+    for name, f, x, k_in, v_in in timed:
+        run_layers = layered(f, k_in, v_in)  # compiled once, timed after
         t0 = time.perf_counter()
         jax.block_until_ready(run_layers(x))
         res[f"{name}_compile_s"] = time.perf_counter() - t0
@@ -103,7 +117,10 @@ def run(config: str, kh: int = 8, g: int = 2, d: int = 128, layers_n: int = LAYE
         per_call = float(np.median(ts)) / layers_n
         res[f"{name}_us"] = per_call * 1e6
         res[f"{name}_of_roofline"] = kv_bytes / bw / per_call if bw else None
-    res["kernel_over_xla"] = res["xla_us"] / res["kernel_us"]
+    if layout == "skbd":
+        res["skbd_over_sd"] = res["xla_sd_us"] / res["xla_us"]
+    else:
+        res["kernel_over_xla"] = res["xla_us"] / res["kernel_us"]
     return res
 
 
@@ -113,7 +130,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (the test suite)")
     args = ap.parse_args()
-    configs = ("4x256+rows=4+slots=128,4x128+int8,4x128+int8+kv=sd" if args.dry_run
+    configs = ("4x256+rows=4+slots=128,4x128+int8,4x128+int8+kv=sd,4x128+kv=skbd,"
+               "4x128+int8+kv=skbd" if args.dry_run
                else args.configs)
     results = {"runs": []}
     for c in configs.split(","):

@@ -101,7 +101,8 @@ def run_one(config: str, save: str | None = None) -> dict:
         if save:  # the compiled program, for `python -m benchmarks.tpu.hlo_cost --hlo`
             Path(save).mkdir(parents=True, exist_ok=True)
             (Path(save) / f"{config.replace(':', '_')}.hlo.txt").write_text(text)
-    kv_shape = rf"(bf16|s8)\[{b},{cfg.num_key_value_heads},\d+,{cfg.head_dim}\]"
+    kh, hd = cfg.num_key_value_heads, cfg.head_dim  # [B, K, S, D] or (skbd) [S, K, B, D]
+    kv_shape = rf"(bf16|s8)\[({b},{kh},\d+,{hd}|\d+,{kh},{b},{hd})\]"
     return {"config": config, "layers": cfg.num_hidden_layers, "scan_layers": o["scan"],
             "phases": list(phases), "kv_int8": o["int8"], "attention": o["attn"], "msa": o["msa"],
             "xla_options": o["xla"], "lower_s": t1 - t0,

@@ -14,7 +14,9 @@ program of its own, timed in the same process:
            a slot is half of each packed 32-bit word of a sublane;
   f32      K and V in f32 buffers: a slot is one sublane of an (8, 128) tile;
   pair32   one u32 buffer per layer, a word holding the bf16 bits of K and V at the same
-           (slot, d): a slot is one sublane, and the cache's bytes are bf16's.
+           (slot, d): a slot is one sublane, and the cache's bytes are bf16's;
+  skbd     K and V in bf16 [S, K, B, D] buffers held in that order (`model.kv_layout` skbd,
+           `layers.pinned`): a slot is whole (16, 128) tiles of rows x D.
 
 Per step: (t(STEPS) - t(1)) / (STEPS - 1), medians of 5 calls. Reported beside it: the bytes the
 written rows hold and what a read-modify-write of every tile a row touches moves; their time at
@@ -33,12 +35,13 @@ from benchmarks.tpu.decode import HBM_BYTES_S
 from benchmarks.tpu.train_step import save_results
 
 LAYERS, KV_HEADS, HEAD_DIM, STEPS = 28, 8, 128, 128
-VARIANTS = ("bf16", "f32", "pair32")
+VARIANTS = ("bf16", "f32", "pair32", "skbd")
 
 
 def tile_rows(variant: str) -> int:
-    """Slots per (sublanes x 128 lanes) tile in XLA:TPU's layout: 16 for packed bf16, else 8."""
-    return 16 if variant == "bf16" else 8
+    """Slots per (sublanes x 128 lanes) tile in XLA:TPU's layout: 16 for packed bf16, else 8;
+    skbd's slot is outside the tile (its write is whole tiles: 1)."""
+    return {"bf16": 16, "skbd": 1}.get(variant, 8)
 
 
 def run(config: str, variant: str, layers: int = LAYERS, steps: int = STEPS) -> dict:
@@ -46,9 +49,12 @@ def run(config: str, variant: str, layers: int = LAYERS, steps: int = STEPS) -> 
     import jax.numpy as jnp
     import numpy as np
 
+    from posttrain.models.layers import pinned
+
     b, s = map(int, config.split("x"))
-    shape = (b, KV_HEADS, s, HEAD_DIM)
-    dtype = {"bf16": jnp.bfloat16, "f32": jnp.float32, "pair32": jnp.uint32}[variant]
+    skbd = variant == "skbd"
+    shape = (s, KV_HEADS, b, HEAD_DIM) if skbd else (b, KV_HEADS, s, HEAD_DIM)
+    dtype = {"f32": jnp.float32, "pair32": jnp.uint32}.get(variant, jnp.bfloat16)
     n_buffers = layers if variant == "pair32" else 2 * layers
 
     def row(t, i):  # the [B, K, 1, D] row step t writes into buffer i
@@ -57,7 +63,7 @@ def run(config: str, variant: str, layers: int = LAYERS, steps: int = STEPS) -> 
         if variant == "pair32":  # K's bf16 bits low, V's high
             bits = jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
             return bits | (bits << 16)
-        return x.astype(dtype)
+        return x.astype(dtype).transpose(2, 1, 0, 3) if skbd else x.astype(dtype)
 
     @jax.jit
     def make():
@@ -66,8 +72,9 @@ def run(config: str, variant: str, layers: int = LAYERS, steps: int = STEPS) -> 
     def body(c):
         t, bufs = c
         slot = t % s
-        return t + 1, [jax.lax.dynamic_update_slice(buf, row(t, i), (0, 0, slot, 0))
-                       for i, buf in enumerate(bufs)]
+        at = (slot, 0, 0, 0) if skbd else (0, 0, slot, 0)
+        bufs = [jax.lax.dynamic_update_slice(buf, row(t, i), at) for i, buf in enumerate(bufs)]
+        return t + 1, [pinned(x) for x in bufs] if skbd else bufs
 
     @partial(jax.jit, donate_argnums=0)
     def write(bufs, n):

@@ -442,7 +442,7 @@ def policy_pass(model, batch, g, entropy: bool = False):
     # both passes through the model's call: LoRA / int8 apply only there (`CausalLM.__call__`)
     x_pre, cache = model(prefix, pos[::group_size, :n], seg[::group_size, :n], cache,
                          head=lambda x, _: x)
-    out, _ = model(tokens[:, n:], pos[:, n:], seg[:, n:], cache.repeat(group_size),
+    out, _ = model(tokens[:, n:], pos[:, n:], seg[:, n:], cache.repeat(group_size, model.cfg),
                    head=lambda x_rows, lm_head: head(jnp.concatenate(
                        [jnp.repeat(x_pre, group_size, axis=0), x_rows], axis=1), lm_head))
     return out, {}

@@ -65,13 +65,15 @@ class ModelConfig(BaseModel):
         "interpreted: tests); pallas: splash and the Pallas decode kernel over the KV cache "
         "(`posttrain.models.decode_attention`; slower than XLA's decode on a v5e so far: "
         "BENCHMARKS.md)")
-    kv_layout: Literal["auto", "ds", "sd"] = Field(
+    kv_layout: Literal["auto", "ds", "sd", "skbd"] = Field(
         "auto", description="how a KV cache holds its keys: ds, transposed [B, K, D, S] (XLA:CPU "
         "runs q @ K 2.8x faster in a decode step than over [.., S, D]); sd, slot-major "
         "[B, K, S, D] like the values (a decode step writes each slot as a row of D lanes in "
         "place, where XLA:TPU rewrote a transposed key buffer's every tile per step: 36% of the "
-        "0.6B int8 decode at 128 rows on a v5e, BENCHMARKS.md); auto: sd on a TPU, ds elsewhere "
-        "(`layers.keys_slot_major`)")
+        "0.6B int8 decode at 128 rows on a v5e, BENCHMARKS.md); skbd: keys and values "
+        "[S, K, B, D], slot outermost (MaxText's autoregressive cache order: a decode step "
+        "writes whole tiles; the Pallas decode kernel does not read it); auto: sd on a TPU, ds "
+        "elsewhere (`layers.kv_layout`)")
     head_chunk_tokens: int = Field(0, ge=0, description="tokens whose logits the loss computes "
                                    "at once (`posttrain.train.step.head_chunk`); 0: chosen from "
                                    "the vocabulary size")

@@ -106,7 +106,7 @@ def decode_attention(q_bkgd, kt, v, bias_bs, layer=None, *, rows: int | None = N
     q_bkgd [B, K, G, D] (already scaled by 1/sqrt(D)); kt: keys [B, K, D, S] (or a QuantizedKV of
     int8 keys with scales [B, K, 1, S]); v: values [B, K, S, D] (or a QuantizedKV with scales
     [B, K, S, 1]); with `slot_major` the keys come as the values do ([B, K, S, D], scales
-    [B, K, S, 1]: `layers.keys_slot_major`); bias_bs [B, S] f32 (0 where a slot is visible, MASK_VALUE where not).
+    [B, K, S, 1]: `layers.kv_layout` sd); bias_bs [B, S] f32 (0 where a slot is visible, MASK_VALUE where not).
     Returns [B, K, G, D] in q's dtype. `rows`/`slots`: the block (default `block_shape`).
     `layer`: None, or a scanned model's stacked cache ([L, B, K, D, S] keys, [L, B, K, S, D]
     values) and the index of the layer to read, a traced scalar: the kernel's blocks are taken

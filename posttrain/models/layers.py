@@ -158,6 +158,21 @@ def quantize_kv(x, d_axis: int) -> QuantizedKV:
     return QuantizedKV(jnp.clip(q, -127, 127).astype(jnp.int8), scale)
 
 
+def pinned(buf):
+    """A KV buffer (`kv_layout` skbd) held in memory in its logical order, [S, K, B, D] with
+    (B, D) in the tile, and not in the layout XLA's layout assignment picks for the dots that
+    read it: unpinned, a v5e program compiled from [S, K, B, D] kept [B, K, S, D] in memory
+    ({3,0,1,2}), the decode step's one-slot write rewriting a tile per (row, head) again. An
+    int8 buffer's values are pinned, its scales ([S, K, B, 1]: a size-1 minor axis would be
+    padded to a tile's 128 lanes) laid out as XLA likes."""
+    from jax.experimental.layout import Layout, with_layout_constraint
+
+    def pin(x):
+        return with_layout_constraint(x, Layout(tuple(range(x.ndim))))
+
+    return QuantizedKV(pin(buf.q), buf.scale) if isinstance(buf, QuantizedKV) else pin(buf)
+
+
 def write_kv(buf, chunk, at: tuple, d_axis: int):
     """`chunk` written into the cache buffer `buf` (an array, or a `QuantizedKV` it is quantized
     for) at index `at`."""
@@ -167,59 +182,76 @@ def write_kv(buf, chunk, at: tuple, d_axis: int):
     return jax.lax.dynamic_update_slice(buf, chunk.astype(buf.dtype), at)
 
 
-def dot_attention(q_bthd, kt_bkds, v_bksd, mask_bts, slot_major: bool = False) -> jax.Array:
+def dot_attention(q_bthd, kt_bkds, v_bksd, mask_bts, layout: str = "ds") -> jax.Array:
     """Grouped-query attention as batched matmuls over (batch, kv head): the G query heads that
     share a KV head are stacked along the row axis, [B, K, G*T, D] @ [B, K, D, S], which XLA runs
     faster than a 5-D einsum (no per-group transposes inside the dot). Keys come transposed
-    ([B, K, D, S], the KV cache's layout: XLA:CPU transposes a [.., S, D] operand inside the dot,
-    2.8x slower in a decode step) and values as [B, K, S, D]. The softmax scale is folded into
-    the queries ([.., D] rather than [.., S] multiplies); the core is `_attend`. `slot_major`:
-    the keys come as [B, K, S, D] instead (a TPU's KV cache, `keys_slot_major`): an int8 cache
-    is read in that layout, a float one passes its transpose, which XLA folds into the dot."""
+    ([B, K, D, S], the KV cache's `ds` layout: XLA:CPU transposes a [.., S, D] operand inside
+    the dot, 2.8x slower in a decode step) and values as [B, K, S, D]. The softmax scale is
+    folded into the queries ([.., D] rather than [.., S] multiplies); the core is `_attend`.
+    `layout` (`kv_layout`): sd, the keys come as [B, K, S, D] instead: an int8 cache is read in
+    that layout, a float one passes its transpose, which XLA folds into the dot; skbd, keys and
+    values [S, K, B, D] (a KV cache only: no gradient), read by einsums over that layout."""
     b, t, h, d = q_bthd.shape
-    kh = (v_bksd.q if isinstance(v_bksd, QuantizedKV) else v_bksd).shape[1]
+    v_data = v_bksd.q if isinstance(v_bksd, QuantizedKV) else v_bksd
+    kh = v_data.shape[1]
     g = h // kh
     q = (q_bthd * (1 / math.sqrt(d))).astype(q_bthd.dtype)
     q = q.reshape(b, t, kh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, d)
     if isinstance(kt_bkds, QuantizedKV):  # an int8 KV cache (decode: no gradient)
-        out = _attend_int8(q, kt_bkds, v_bksd, mask_bts, slot_major)
+        out = _attend_int8(q, kt_bkds, v_bksd, mask_bts, layout)
+    elif layout == "skbd":
+        scores = jnp.einsum("bkqd,skbd->bkqs", q, kt_bkds).astype(jnp.float32)
+        e, r = _masked_exp(scores, mask_bts)
+        out = (jnp.einsum("bkqs,skbd->bkqd", e.astype(v_bksd.dtype), v_bksd) * r).astype(q.dtype)
     else:
-        kt = jnp.swapaxes(kt_bkds, -1, -2) if slot_major else kt_bkds
+        kt = jnp.swapaxes(kt_bkds, -1, -2) if layout == "sd" else kt_bkds
         out = _attend(q, kt, v_bksd, mask_bts)  # [B, K, G*T, D]
     return out.reshape(b, kh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h * d)
+
+
+def _masked_exp(scores, mask_bts):
+    """[B, K, G*T, S] f32 scores -> (e = exp(masked scores - rowmax), r = 1 / rowsum(e)
+    [B, K, G*T, 1]), the mask [B, T, S] broadcast over heads and groups."""
+    b, kh, gt, s = scores.shape
+    t = mask_bts.shape[1]
+    scores = jnp.where(mask_bts[:, None, None], scores.reshape(b, kh, gt // t, t, s), MASK_VALUE)
+    e = jnp.exp(scores - jnp.max(scores, -1, keepdims=True)).reshape(b, kh, gt, s)
+    return e, 1.0 / jnp.sum(e, -1, keepdims=True)
 
 
 def _attend_parts(q, kt, v, mask_bts):
     """softmax(mask(q @ kt)) @ v with the normalisation applied to the output ([.., D]) instead
     of the probabilities ([.., S]): -> (out, e = exp(scores - rowmax) [B,K,G*T,S] f32,
     r = 1 / rowsum(e) [B,K,G*T,1] f32)."""
-    b, kh, gt, _ = q.shape
-    t, s = mask_bts.shape[1], kt.shape[-1]
-    scores = jnp.matmul(q, kt).astype(jnp.float32).reshape(b, kh, gt // t, t, s)
-    scores = jnp.where(mask_bts[:, None, None], scores, MASK_VALUE)
-    e = jnp.exp(scores - jnp.max(scores, -1, keepdims=True)).reshape(b, kh, gt, s)
-    r = 1.0 / jnp.sum(e, -1, keepdims=True)
+    e, r = _masked_exp(jnp.matmul(q, kt).astype(jnp.float32), mask_bts)
     out = (jnp.matmul(e.astype(v.dtype), v) * r).astype(v.dtype)
     return out, e, r
 
 
-def _attend_int8(q, kt: QuantizedKV, v: QuantizedKV, mask_bts, slot_major: bool = False):
+def _attend_int8(q, kt: QuantizedKV, v: QuantizedKV, mask_bts, layout: str = "ds"):
     """`_attend_parts` over int8 keys and values, never dequantized whole: a key's scale
     multiplies its column of scores after q @ K_int8, a value's scale the probabilities of its
     slot before P @ V_int8 (both per slot, so they commute with the matmuls). Keys [B, K, D, S]
-    with scales [B, K, 1, S], or slot-major [B, K, S, D] with [B, K, S, 1]."""
-    b, kh, gt, _ = q.shape
-    t, s = mask_bts.shape[1], v.q.shape[-2]
-    if slot_major:
-        scores = jnp.einsum("bkqd,bksd->bkqs", q, kt.q.astype(q.dtype),
-                            preferred_element_type=jnp.float32) * jnp.swapaxes(kt.scale, -1, -2)
+    with scales [B, K, 1, S], slot-major [B, K, S, D] with [B, K, S, 1], or (`skbd`) keys and
+    values [S, K, B, D] with [S, K, B, 1]."""
+    k8, v8 = kt.q.astype(q.dtype), v.q.astype(q.dtype)
+    if layout == "skbd":
+        scores = jnp.einsum("bkqd,skbd->bkqs", q, k8, preferred_element_type=jnp.float32)
+        scores = scores * kt.scale[..., 0].transpose(2, 1, 0)[:, :, None]  # [B, K, 1, S]
+        v_scale = v.scale[..., 0].transpose(2, 1, 0)[:, :, None]
     else:
-        scores = jnp.matmul(q, kt.q.astype(q.dtype)).astype(jnp.float32) * kt.scale  # [.., 1, S]
-    scores = jnp.where(mask_bts[:, None, None], scores.reshape(b, kh, gt // t, t, s), MASK_VALUE)
-    e = jnp.exp(scores - jnp.max(scores, -1, keepdims=True)).reshape(b, kh, gt, s)
-    r = 1.0 / jnp.sum(e, -1, keepdims=True)
-    p = (e * jnp.swapaxes(v.scale, -1, -2)).astype(q.dtype)  # [.., G*T, S] x [.., 1, S]
-    return (jnp.matmul(p, v.q.astype(q.dtype)).astype(jnp.float32) * r).astype(q.dtype)
+        if layout == "sd":
+            scores = jnp.einsum("bkqd,bksd->bkqs", q, k8, preferred_element_type=jnp.float32)
+            scores = scores * jnp.swapaxes(kt.scale, -1, -2)
+        else:
+            scores = jnp.matmul(q, k8).astype(jnp.float32) * kt.scale  # [.., 1, S]
+        v_scale = jnp.swapaxes(v.scale, -1, -2)
+    e, r = _masked_exp(scores, mask_bts)
+    p = (e * v_scale).astype(q.dtype)  # [.., G*T, S] x [.., 1, S]
+    pv = (jnp.einsum("bkqs,skbd->bkqd", p, v8, preferred_element_type=jnp.float32)
+          if layout == "skbd" else jnp.matmul(p, v8).astype(jnp.float32))
+    return (pv * r).astype(q.dtype)
 
 
 @jax.custom_vjp
@@ -272,20 +304,32 @@ def target() -> tuple[str, int]:
     return _TARGET or (jax.default_backend(), jax.device_count())
 
 
-def keys_slot_major(cfg: ModelConfig) -> bool:
-    """Whether a KV cache holds its keys slot-major, [B, K, S, D] like the values, rather than
-    transposed, [B, K, D, S]: `cfg.kv_layout`, with `auto` resolved for the target here (sd on a
-    TPU: a transposed buffer puts the slot on the lanes of XLA:TPU's (8, 128) tiles, and the
-    decode step's one-slot write rewrote the whole buffer; ds on CPU, whose dot wants it)."""
+def kv_layout(cfg: ModelConfig) -> str:
+    """How a KV cache holds its keys and values: `cfg.kv_layout`, with `auto` resolved for the
+    target here. ds: keys transposed [B, K, D, S], values [B, K, S, D] (CPU, whose dot wants
+    them); sd: keys slot-major [B, K, S, D] like the values (a TPU: a transposed buffer puts the
+    slot on the lanes of XLA:TPU's tiles, and the decode step's one-slot write rewrote the
+    whole buffer); skbd: both [S, K, B, D], slot outermost (MaxText's autoregressive cache
+    order): the rows and D fill XLA:TPU's tiles, so a decode step writes whole tiles, where
+    [B, K, S, D] puts 16 slots in a bf16 tile and a one-slot write reads and rewrites every
+    (row, head)'s tile."""
     if cfg.kv_layout != "auto":
-        return cfg.kv_layout == "sd"
-    return target()[0] == "tpu"
+        return cfg.kv_layout
+    return "sd" if target()[0] == "tpu" else "ds"
+
+
+def kv_axes(cfg: ModelConfig, key: bool = True) -> tuple[int, int, int]:
+    """(row axis, slot axis, D axis) of a KV cache's key (or value) buffer, from its end
+    (`kv_layout`), so a stacked [L, ...] buffer has the same."""
+    layout = kv_layout(cfg)
+    if layout == "skbd":
+        return -2, -4, -1
+    return (-4, -1, -2) if layout == "ds" and key else (-4, -2, -1)
 
 
 def key_axes(cfg: ModelConfig) -> tuple[int, int]:
-    """(slot axis, D axis) of a KV cache's key buffer, from its end: (-2, -1) slot-major,
-    (-1, -2) transposed (`keys_slot_major`). A value buffer's are always (-2, -1)."""
-    return (-2, -1) if keys_slot_major(cfg) else (-1, -2)
+    """(slot axis, D axis) of a KV cache's key buffer, from its end (`kv_axes`)."""
+    return kv_axes(cfg, True)[1:]
 
 
 @contextlib.contextmanager
@@ -321,7 +365,7 @@ def cached_decode_attention(q_bthd, kt_bkds, v_bksd, mask_bts, layer=None,
     (`posttrain.models.decode_attention`), or None where no block of the cache fits its VMEM
     budget (the caller runs `dot_attention`). `layer`: None, or the cache is a scanned model's
     stack of every layer's ([L, B, K, D, S] keys) and the kernel reads this layer's in place.
-    `slot_major`: the keys are [.., S, D] (`keys_slot_major`)."""
+    `slot_major`: the keys are [.., S, D] (`kv_layout` sd)."""
     from posttrain.models.decode_attention import block_shape, decode_attention
 
     b, t, h, d = q_bthd.shape
@@ -413,7 +457,7 @@ def dense_heads(layer: nnx.Linear, x_bte: jax.Array, d: int, plain: bool = True)
 
 class LayerKV(NamedTuple):
     """What one layer sees of a `KVCache`: its keys [B, K, D, S] (slot-major: [B, K, S, D],
-    `keys_slot_major`) / values [B, K, S, D], either its
+    `kv_layout`; skbd: both [S, K, B, D]) / values [B, K, S, D], either its
     own buffers (`layer` None) or every layer's stacked on a leading axis with its index, written in place at
     slots [start, start + T); and the slots' positions/segments (this chunk's already recorded)."""
 
@@ -453,26 +497,30 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, rope)
         k = apply_rope(k, rope)
-        sd = kv is not None and keys_slot_major(cfg)  # the cache's keys [B, K, S, D]
-        k = k.transpose(0, 2, 1, 3) if sd else k.transpose(0, 2, 3, 1)  # [B, K, T, D] | [.., D, T]
+        layout = "ds" if kv is None else kv_layout(cfg)  # of the keys read below
+        if layout == "skbd":  # the cache's [S, K, B, D]
+            k, v = k.transpose(1, 2, 0, 3), v.transpose(2, 1, 0, 3)
+        else:  # [B, K, T, D] | keys [.., D, T]
+            k = k.transpose(0, 2, 1, 3) if layout == "sd" else k.transpose(0, 2, 3, 1)
         if kv is None:
             keys, values, k_pos, k_seg, new_kv = k, v, pos_bt, seg_bt, None
         else:
-            k_slot, k_d = ((0, 0, kv.start, 0), -1) if sd else ((0, 0, 0, kv.start), -2)
+            _, k_slot, k_d = kv_axes(cfg, key=True)
+            at = lambda slot_axis: tuple(kv.start if a == 4 + slot_axis else 0 for a in range(4))
+            k_at, v_at = at(k_slot), at(kv_axes(cfg, key=False)[1])
             if kv.layer is None:
-                keys = write_kv(kv.k, k, k_slot, k_d)
-                values = write_kv(kv.v, v, (0, 0, kv.start, 0), -1)
-                new_kv = (keys, values)
+                new_kv = (write_kv(kv.k, k, k_at, k_d), write_kv(kv.v, v, v_at, -1))
             else:
-                k_at, v_at = (kv.layer, *k_slot), (kv.layer, 0, 0, kv.start, 0)
-                k_all = write_kv(kv.k, k[None], k_at, k_d)
-                v_all = write_kv(kv.v, v[None], v_at, -1)
-                new_kv = (k_all, v_all)
+                new_kv = (write_kv(kv.k, k[None], (kv.layer, *k_at), k_d),
+                          write_kv(kv.v, v[None], (kv.layer, *v_at), -1))
+            if layout == "skbd":
+                new_kv = tuple(map(pinned, new_kv))
+            keys, values = new_kv
             k_pos, k_seg = kv.pos, kv.seg
         mask = attention_mask(pos_bt, seg_bt, k_pos, k_seg)
         out = None
-        if impl == "decode":  # cached: the kernel reads a stacked cache's layer in place
-            out = cached_decode_attention(q, *new_kv, mask, kv.layer, slot_major=sd)
+        if impl == "decode" and layout != "skbd":  # the kernel reads a stacked cache in place
+            out = cached_decode_attention(q, *new_kv, mask, kv.layer, slot_major=layout == "sd")
         if out is None:
             if kv is not None and kv.layer is not None:  # this layer's slice of the stack
                 keys, values = jax.tree.map(
@@ -480,7 +528,7 @@ class Attention(nnx.Module):
                     new_kv)
             if not isinstance(keys, QuantizedKV):
                 keys, values = keys.astype(q.dtype), values.astype(q.dtype)
-            out = dot_attention(q, keys, values, mask, slot_major=sd)
+            out = dot_attention(q, keys, values, mask, layout)
         out = dense(self.o_proj, out)
         return checkpoint_name(out, "out_proj"), new_kv
 

@@ -19,8 +19,8 @@ from flax import nnx
 from posttrain.models.config import ModelConfig
 from posttrain.sharding import constrain
 from posttrain.models.layers import (ACT_AXES, DTYPES, MLP, Attention, LayerKV, QuantizedKV,
-                                     RMSNorm, Rope, _init, key_axes, rope_inv_freq,
-                                     rope_tables)
+                                     RMSNorm, Rope, _init, kv_axes, kv_layout,
+                                     rope_inv_freq, rope_tables)
 from posttrain.models.qwen3_moe import SparseMoeBlock, router_losses
 
 REMAT_POLICIES = {
@@ -80,7 +80,7 @@ class KVCache(NamedTuple):
     the bytes, with `dtype=jnp.int8`; a buffer below is then a `QuantizedKV` of such arrays."""
 
     k: jax.Array | tuple  # scanned layers: [L, B, K, D, S]; unrolled: L arrays [B, K, D, S]
-    # (slot-major keys, `layers.keys_slot_major`: [.., S, D] as the values)
+    # (`layers.kv_layout` sd: [.., S, D] as the values; skbd: keys and values [S, K, B, D])
     v: jax.Array | tuple  # scanned layers: [L, B, K, S, D]; unrolled: L arrays [B, K, S, D]
     pos: jax.Array  # [B, S] position held by each slot
     seg: jax.Array  # [B, S] segment of each slot; 0 = empty
@@ -89,10 +89,14 @@ class KVCache(NamedTuple):
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
         dtype = dtype or DTYPES[cfg.compute_dtype]
-        v_shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        k_slots, k_d = key_axes(cfg)
-        k_shape = v_shape if k_slots == -2 else (batch, cfg.num_key_value_heads, cfg.head_dim,
-                                                   max_len)
+
+        def shape(key: bool):
+            out = [0, cfg.num_key_value_heads, 0, 0]  # K is always axis 1 (-3)
+            rows, slots, d = kv_axes(cfg, key)
+            out[4 + rows], out[4 + slots], out[4 + d] = batch, max_len, cfg.head_dim
+            return tuple(out)
+
+        k_shape, v_shape, k_d = shape(True), shape(False), kv_axes(cfg, True)[2]
         lead = (cfg.num_hidden_layers,) if cfg.scan_layers else ()
 
         def zeros(shape, d_axis):
@@ -111,13 +115,13 @@ class KVCache(NamedTuple):
                    jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((batch, max_len), jnp.int32),
                    jnp.zeros((), jnp.int32))
 
-    def repeat(self, n: int) -> "KVCache":
+    def repeat(self, n: int, cfg: ModelConfig) -> "KVCache":
         """Each row n times in a row (row i -> rows i*n .. i*n + n-1): one prompt's prefill
-        shared by the n completions sampled from it."""
+        shared by the n completions sampled from it. `cfg`: the model's, for the layout."""
         if n == 1:
             return self
-        # a layer's buffer is [B, K, ., .]; scanned layers stack them: [L, B, ...]
-        k, v = jax.tree.map(lambda x: jnp.repeat(x, n, axis=x.ndim - 4), (self.k, self.v))
+        rows = kv_axes(cfg)[0]  # from the end: the same in a stacked [L, ...] buffer
+        k, v = jax.tree.map(lambda x: jnp.repeat(x, n, axis=x.ndim + rows), (self.k, self.v))
         return KVCache(k, v, jnp.repeat(self.pos, n, axis=0), jnp.repeat(self.seg, n, axis=0),
                        self.end)
 
@@ -135,8 +139,8 @@ class KVCache(NamedTuple):
             widths[axis] = (0, extra)
             return jnp.pad(x, widths)
 
-        k = jax.tree.map(lambda x: pad(x, key_axes(cfg)[0]), self.k)
-        v = jax.tree.map(lambda x: pad(x, -2), self.v)
+        k = jax.tree.map(lambda x: pad(x, kv_axes(cfg, True)[1]), self.k)
+        v = jax.tree.map(lambda x: pad(x, kv_axes(cfg, False)[1]), self.v)
         return KVCache(k, v, pad(self.pos, 1), pad(self.seg, 1), self.end)
 
 

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from dataclasses import replace
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +75,7 @@ def assert_same_samples(model, a, b, sp: SamplingParams, tol: float = 1e-5):
             n += 1
         m = next((j for j in range(n) if x.kept_counts[j] != y.kept_counts[j]), n)
         gap = np.abs(np.subtract(x.logprobs[:m], y.logprobs[:m])).max(initial=0)
+
         assert gap <= tol, (sp, i, gap)
         if m == n and x.token_ids == y.token_ids:
             continue
@@ -91,6 +93,15 @@ def assert_same_samples(model, a, b, sp: SamplingParams, tol: float = 1e-5):
         lo, hi = sorted((x.token_ids[n], y.token_ids[n]))
         assert kept[lo] and kept[hi] and not kept[lo + 1:hi].any(), (sp, i, n, lo, hi)
     assert diverged <= 2, (sp, diverged)
+
+
+# Two int8 caches filled from fp32 keys and values that differ in summation order (two layouts,
+# two attention paths) can round one value of a head to neighbouring integers, where x / scale
+# lies within fp32 rounding of a .5 boundary: one step of 1/127 of the head's absmax, which moves
+# the next log-probs by up to the int8 cache's own rounding (measured 8e-5 on one token of 10
+# outputs, AVX-512 CPU). Bounded by what an int8 cache may move the sampling path's log-probs
+# (`JaxEngine.probe_tolerance`, ~5e-3 on the test models); float caches stay at 1e-5.
+INT8_FLIP_TOL = 5e-3
 
 
 def trainer_logprobs(model, prompt, completion, temperature=1.0):
@@ -457,36 +468,45 @@ def test_the_pallas_decode_kernel_draws_what_xla_draws(setup):
         assert_same_samples(xla, a, c, sp)
 
 
-def test_slot_major_keys_decode_what_transposed_keys_decode(setup):
+def test_every_kv_layout_decodes_what_transposed_keys_decode(setup):
     """`model.kv_layout`: a KV cache whose keys are slot-major ([B, K, S, D], a TPU's layout:
-    a decode step writes one slot as a row of D lanes in place) decodes what the transposed one
-    ([B, K, D, S], CPU's) does: the same tokens and kept counts, log-probs within 1e-5 (fp32
-    summation order), with the fp32 and int8 caches, through the packed prefill's unpacking and
-    the phased cache's growth, on XLA's attention unrolled and scanned and on the Pallas decode
-    kernel (interpreted). The layout is really switched: the cache's key buffers change shape."""
+    a decode step writes one slot as a row of D lanes in place) and one whose keys and values
+    are slot-outermost ([S, K, B, D], skbd: a step writes whole tiles) decode what the
+    transposed one ([B, K, D, S], CPU's) does: the same tokens and kept counts, log-probs within
+    1e-5 (fp32 summation order), with the fp32 and int8 caches, through the packed prefill's
+    unpacking (per layer and stacked) and the phased cache's growth, on XLA's attention
+    unrolled and scanned and on the Pallas decode kernel (interpreted). The layout is really
+    switched: the cache's buffers change shape."""
     from posttrain.models.transformer import KVCache
 
     d, _, tok, _ = setup
     ds = from_pretrained(d, kv_layout="ds")
     if ds.cfg.arch != "qwen3":
         pytest.skip("the cache layout is architecture-blind: Qwen3 covers it")
-    sd = from_pretrained(d, kv_layout="sd")
-    caches = (KVCache.init(m.cfg, 2, 48, jnp.int8).k for m in (ds, sd))
-    k_ds, k_sd = (k if hasattr(k, "scale") else k[0] for k in caches)  # stacked or per layer
-    hd = ds.cfg.head_dim
+    sd, so = from_pretrained(d, kv_layout="sd"), from_pretrained(d, kv_layout="skbd")
+    caches = (KVCache.init(m.cfg, 2, 48, jnp.int8) for m in (ds, sd, so))
+    (k_ds, _), (k_sd, _), (k_so, v_so) = (
+        (c.k, c.v) if hasattr(c.k, "scale") else (c.k[0], c.v[0]) for c in caches)  # stacked?
+    hd, kh = ds.cfg.head_dim, ds.cfg.num_key_value_heads
     assert (k_ds.q.shape[-2:], k_ds.scale.shape[-2:]) == ((hd, 48), (1, 48))
     assert (k_sd.q.shape[-2:], k_sd.scale.shape[-2:]) == ((48, hd), (48, 1))
+    for x in (k_so, v_so):
+        assert (x.q.shape[-4:], x.scale.shape[-4:]) == ((48, kh, 2, hd), (48, kh, 2, 1))
     rng = np.random.default_rng(6)
     prompts = [rng.integers(3, ds.cfg.vocab_size, int(rng.integers(2, 30))).tolist()
                for _ in range(5)]
     sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, n=2, seed=8)
     for kv in ("auto", "int8"):
+        tol = 1e-5 if kv == "auto" else INT8_FLIP_TOL
         a = JaxEngine(ds, tok, kv_cache_dtype=kv).generate(prompts, sp)
-        assert_same_samples(ds, a, JaxEngine(sd, tok, kv_cache_dtype=kv).generate(prompts, sp), sp)
-        scan = JaxEngine(sd, tok, kv_cache_dtype=kv, unroll_layers=False, pack_prefill=False)
-        assert_same_samples(ds, a, scan.generate(prompts, sp), sp)
+        same = partial(assert_same_samples, ds, a, sp=sp, tol=tol)
+        same(JaxEngine(sd, tok, kv_cache_dtype=kv).generate(prompts, sp))
+        same(JaxEngine(sd, tok, kv_cache_dtype=kv, unroll_layers=False,
+                       pack_prefill=False).generate(prompts, sp))
+        same(JaxEngine(so, tok, kv_cache_dtype=kv).generate(prompts, sp))
+    same(JaxEngine(so, tok, kv_cache_dtype="int8", unroll_layers=False).generate(prompts, sp))
     kern = from_pretrained(d, attention="pallas", kv_layout="sd")
-    assert_same_samples(ds, a, JaxEngine(kern, tok, kv_cache_dtype="int8").generate(prompts, sp), sp)
+    same(JaxEngine(kern, tok, kv_cache_dtype="int8").generate(prompts, sp))
 
 
 def test_max_rows_splits_a_request_into_calls_of_one_program(setup):
