@@ -45,13 +45,17 @@ def test_the_shared_prefix_is_what_every_group_shares_rounded_down():
     assert "shared_prefix" not in build_batch(rs, np.zeros(len(rs)), 64)
 
 
-@pytest.mark.parametrize("scan,remat,lora", [(False, "none", False), (True, "full", False),
-                                             (False, "none", True)])
-def test_shared_prefix_pass_gives_the_plain_loss_gradients_and_logprobs(tmp_path, scan, remat, lora):
+@pytest.mark.parametrize("scan,remat,lora,kv", [(False, "none", False, "auto"),
+                                                (True, "full", False, "skbd"),
+                                                (False, "none", True, "auto")])
+def test_shared_prefix_pass_gives_the_plain_loss_gradients_and_logprobs(tmp_path, scan, remat,
+                                                                         lora, kv):
     """With LoRA too: its adapters apply only inside the model's call (qwix intercepts
-    `__call__`), which a prefix pass pieced together from other methods silently skipped."""
+    `__call__`), which a prefix pass pieced together from other methods silently skipped. And
+    over the slot-outermost cache (`kv_layout` skbd): its rows repeated on their own axis, the
+    gradient through its einsums and the layout pin."""
     save_tiny_hf_model(tmp_path, "qwen3")
-    model = from_pretrained(tmp_path, scan_layers=scan, remat=remat)
+    model = from_pretrained(tmp_path, scan_layers=scan, remat=remat, kv_layout=kv)
     if lora:
         model = with_lora(model)
     cfg = RunConfig.model_validate({"algorithm": "grpo", "grpo": {"group_size": G},
