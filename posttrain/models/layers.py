@@ -327,11 +327,6 @@ def kv_axes(cfg: ModelConfig, key: bool = True) -> tuple[int, int, int]:
     return (-4, -1, -2) if layout == "ds" and key else (-4, -2, -1)
 
 
-def key_axes(cfg: ModelConfig) -> tuple[int, int]:
-    """(slot axis, D axis) of a KV cache's key buffer, from its end (`kv_axes`)."""
-    return kv_axes(cfg, True)[1:]
-
-
 @contextlib.contextmanager
 def building_for(platform: str, devices: int):
     global _TARGET

@@ -19,8 +19,8 @@ from flax import nnx
 from posttrain.models.config import ModelConfig
 from posttrain.sharding import constrain
 from posttrain.models.layers import (ACT_AXES, DTYPES, MLP, Attention, LayerKV, QuantizedKV,
-                                     RMSNorm, Rope, _init, kv_axes, kv_layout,
-                                     rope_inv_freq, rope_tables)
+                                     RMSNorm, Rope, _init, kv_axes, rope_inv_freq,
+                                     rope_tables)
 from posttrain.models.qwen3_moe import SparseMoeBlock, router_losses
 
 REMAT_POLICIES = {
