@@ -237,9 +237,9 @@ def _attend_int8(q, kt: QuantizedKV, v: QuantizedKV, mask_bts, layout: str = "ds
     values [S, K, B, D] with [S, K, B, 1]."""
     k8, v8 = kt.q.astype(q.dtype), v.q.astype(q.dtype)
     if layout == "skbd":
+        per_slot = lambda scale: scale[..., 0].transpose(2, 1, 0)[:, :, None]  # -> [B, K, 1, S]
         scores = jnp.einsum("bkqd,skbd->bkqs", q, k8, preferred_element_type=jnp.float32)
-        scores = scores * kt.scale[..., 0].transpose(2, 1, 0)[:, :, None]  # [B, K, 1, S]
-        v_scale = v.scale[..., 0].transpose(2, 1, 0)[:, :, None]
+        scores, v_scale = scores * per_slot(kt.scale), per_slot(v.scale)
     else:
         if layout == "sd":
             scores = jnp.einsum("bkqd,bksd->bkqs", q, k8, preferred_element_type=jnp.float32)

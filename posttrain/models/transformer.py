@@ -90,13 +90,13 @@ class KVCache(NamedTuple):
     def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
         dtype = dtype or DTYPES[cfg.compute_dtype]
 
-        def shape(key: bool):
+        def buffer_shape(key: bool):
             out = [0, cfg.num_key_value_heads, 0, 0]  # K is always axis 1 (-3)
             rows, slots, d = kv_axes(cfg, key)
             out[4 + rows], out[4 + slots], out[4 + d] = batch, max_len, cfg.head_dim
             return tuple(out)
 
-        k_shape, v_shape, k_d = shape(True), shape(False), kv_axes(cfg, True)[2]
+        k_shape, v_shape, k_d = buffer_shape(True), buffer_shape(False), kv_axes(cfg, True)[2]
         lead = (cfg.num_hidden_layers,) if cfg.scan_layers else ()
 
         def zeros(shape, d_axis):
