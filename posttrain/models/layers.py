@@ -312,7 +312,9 @@ def kv_layout(cfg: ModelConfig) -> str:
     whole buffer); skbd: both [S, K, B, D], slot outermost (MaxText's autoregressive cache
     order): the rows and D fill XLA:TPU's tiles, so a decode step writes whole tiles, where
     [B, K, S, D] puts 16 slots in a bf16 tile and a one-slot write reads and rewrites every
-    (row, head)'s tile."""
+    (row, head)'s tile; on a v5e that saved less than the attention's scores lost reading
+    keys slot-outermost (7.66 against sd's 7.46 ms per 0.6B step at 128 rows, BENCHMARKS.md),
+    so `auto` stays sd there."""
     if cfg.kv_layout != "auto":
         return cfg.kv_layout
     return "sd" if target()[0] == "tpu" else "ds"
