@@ -88,11 +88,7 @@ def _generate_impl(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, 
     u, tp = tokens_bt.shape
     ends = phases or (gen_len,)
     if packing is None:
-        cache = KVCache.init(model.cfg, u, tp + ends[0], kv_dtype)
-        pos = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (u, tp))
-        seg = (pos < lens_b[:, None]).astype(jnp.int32)
-        last, cache = model(tokens_bt, pos, seg, cache, head=lambda x, lm_head: lm_head(
-            jnp.take_along_axis(x, (lens_b - 1)[:, None, None], axis=1))[:, 0])  # last tokens only
+        last, cache = _prefill(model, tokens_bt, lens_b, tp + ends[0], kv_dtype)
     else:
         cache, last = _packed_prefill(model, packing, lens_b, tp + ends[0], kv_dtype)
     cache, last, lens_b = (cache.repeat(group, model.cfg), jnp.repeat(last, group, 0),
@@ -136,6 +132,135 @@ def _generate_impl(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, 
     return out_t, out_lp, out_k, n
 
 
+def _prefill(model, tokens_bt, lens_b, slots: int, kv_dtype=None):
+    """The prompts [U, T] (right-padded to T, `lens_b` tokens each) into a new cache of `slots`
+    slots, and each prompt's last logits [U, V] (the head runs on the last tokens only)."""
+    u, tp = tokens_bt.shape
+    cache = KVCache.init(model.cfg, u, slots, kv_dtype)
+    pos = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (u, tp))
+    seg = (pos < lens_b[:, None]).astype(jnp.int32)
+    last, cache = model(tokens_bt, pos, seg, cache, head=lambda x, lm_head: lm_head(
+        jnp.take_along_axis(x, (lens_b - 1)[:, None, None], axis=1))[:, 0])
+    return last, cache
+
+
+def _put(big, small, rows, slots, row_axis: int, slot_axis: int):
+    """`big` with `small`'s rows i and slots t written at rows[i] and slots[t] (axes counted from
+    the end, as `kv_axes` gives them; a row index out of range is dropped): a scatter."""
+    ra, sa = big.ndim + row_axis, big.ndim + slot_axis
+    idx = [slice(None)] * big.ndim
+    idx[ra], idx[sa] = rows[:, None], slots[None, :]
+    # NumPy's rule: advanced indices apart put their broadcast [rows, slots] first, side by side
+    # in place of the first of them
+    at = (0, 1) if abs(ra - sa) > 1 else (min(ra, sa), min(ra, sa) + 1)
+    return big.at[tuple(idx)].set(jnp.moveaxis(small, (ra, sa), at), mode="drop")
+
+
+def _continuous_impl(graphdef, state, tokens_pt, lens_p, n_prompts, key, temperature, top_k,
+                     top_p, full, max_new, stop_ids, rows: int, gen_len: int, group: int,
+                     refill: int, kv_int8: bool = False):
+    """Continuous batching: the n = `group` samples of each of the first `n_prompts` prompts of
+    `tokens_pt` [P, T] decoded over a cache of `rows` rows, a finished row refilled with the
+    next prompt's samples as soon as `refill` prompts' groups fit in the free rows (one prefill
+    of those prompts, its cache repeated `group` times), instead of waiting for the longest row
+    of a batch. Returns out_t, out_lp, out_k [P * group, gen_len] and the counts n [P * group]
+    of sequence j = sample j % group of prompt j // group, as `_generate_impl` returns them,
+    and the decode steps run.
+
+    The cache is a ring of T + gen_len slots written one shared slot per step (`KVCache.end`,
+    modulo the ring), as the lockstep decode writes it: a sequence that starts at step e has its
+    prompt put in the ring's T slots before e and its tokens in the slots from e on, never more
+    than the ring holds, and its slots carry its own segment id (sequence + 1), so the attention
+    mask (segment equality, position order) keeps each sequence to its own slots whatever the
+    row held before. The tokens and log-probs are those of the lockstep decode of each
+    sequence alone (greedy: the same tokens; sampled: the same distribution, other draws)."""
+    model = nnx.merge(graphdef, state)
+    cfg = model.cfg
+    kv_dtype = jnp.int8 if kv_int8 else None
+    _, tp = tokens_pt.shape
+    ring = tp + gen_len
+    seqs = tokens_pt.shape[0] * group
+    fill = refill * group  # rows one refill takes
+    (k_rows, k_slots, _), (v_rows, v_slots, _) = kv_axes(cfg, True), kv_axes(cfg, False)
+    cache = KVCache.init(cfg, rows, ring, kv_dtype)
+    cache = cache._replace(end=jnp.int32(tp))
+    key_step, key_fill = jax.random.split(key)
+
+    def record(out, seq, i, tok, lp, kept):
+        """Token i of each sequence `seq` (out of range: dropped) into the outputs."""
+        out_t, out_lp, out_k = out
+        return (out_t.at[seq, i].set(tok, mode="drop"), out_lp.at[seq, i].set(lp, mode="drop"),
+                out_k.at[seq, i].set(kept, mode="drop"))
+
+    def stops(tok):
+        return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+
+    def can_refill(c):
+        waiting = jnp.minimum(n_prompts - c["next"], refill)
+        return (waiting > 0) & (jnp.sum(~c["live"]) >= waiting * group)
+
+    def refill_rows(c):
+        """Prefill the next `refill` prompts and start their samples in free rows."""
+        q = c["next"]
+        first = q + jnp.arange(refill, dtype=jnp.int32)
+        lens = jax.lax.dynamic_slice_in_dim(lens_p, q, refill)
+        last, small = _prefill(model, jax.lax.dynamic_slice_in_dim(tokens_pt, q, refill), lens,
+                               tp, kv_dtype)
+        small, last = small.repeat(group, cfg), jnp.repeat(last, group, 0)
+        seq = (first[:, None] * group + jnp.arange(group, dtype=jnp.int32)).reshape(-1)
+        real = jnp.repeat(first < n_prompts, group)
+        target = jnp.nonzero(~c["live"], size=fill, fill_value=rows)[0]
+        target = jnp.where(real, target, rows)  # a prompt past the last: no row
+        big = c["cache"]
+        slots = (big.end - tp + jnp.arange(tp, dtype=jnp.int32)) % ring
+        k = jax.tree.map(lambda b, s: _put(b, s, target, slots, k_rows, k_slots), big.k, small.k)
+        v = jax.tree.map(lambda b, s: _put(b, s, target, slots, v_rows, v_slots), big.v, small.v)
+        seg = jnp.where(small.seg != 0, seq[:, None] + 1, 0)
+        big = big._replace(k=k, v=v, pos=_put(big.pos, small.pos, target, slots, -2, -1),
+                           seg=_put(big.seg, seg, target, slots, -2, -1))
+        tok, lp, kept = sample(jax.random.fold_in(key_fill, q), last, temperature, top_k, top_p,
+                               full)
+        tok = tok.astype(jnp.int32)
+        seq = jnp.where(real, seq, seqs)
+        done = stops(tok) | (max_new <= 1)
+
+        def at_rows(x, value):
+            return x.at[target].set(value, mode="drop")
+
+        return {**c, "cache": big, "out": record(c["out"], seq, 0, tok, lp, kept),
+                "n": c["n"].at[seq].set(1, mode="drop"), "next": q + refill,
+                "seq": at_rows(c["seq"], seq), "i": at_rows(c["i"], 1),
+                "tok": at_rows(c["tok"], tok), "len": at_rows(c["len"], jnp.repeat(lens, group)),
+                "live": at_rows(c["live"], ~done)}
+
+    def step(c):
+        """Refill what fits, then feed every live row its last token and sample the next."""
+        c = jax.lax.while_loop(can_refill, refill_rows, c)
+        live, i = c["live"], c["i"]
+        logits, cache = model(c["tok"][:, None], (c["len"] + i - 1)[:, None],
+                              jnp.where(live, c["seq"] + 1, 0)[:, None], cache=c["cache"])
+        cache = cache._replace(end=cache.end % ring)
+        tok, lp, kept = sample(jax.random.fold_in(key_step, c["steps"]), logits[:, 0],
+                               temperature, top_k, top_p, full)
+        tok = tok.astype(jnp.int32)
+        seq = jnp.where(live, c["seq"], seqs)
+        return {**c, "cache": cache, "out": record(c["out"], seq, i, tok, lp, kept),
+                "n": c["n"].at[seq].add(1, mode="drop"), "i": i + 1, "tok": tok,
+                "live": live & ~stops(tok) & (i + 1 < max_new), "steps": c["steps"] + 1}
+
+    def running(c):
+        return jnp.any(c["live"]) | (c["next"] < n_prompts)
+
+    zeros = partial(jnp.zeros, dtype=jnp.int32)
+    c = {"cache": cache, "next": jnp.int32(0), "steps": jnp.int32(0),
+         "seq": zeros((rows,)), "i": zeros((rows,)), "tok": zeros((rows,)), "len": zeros((rows,)),
+         "live": jnp.zeros((rows,), bool), "n": zeros((seqs,)),
+         "out": (zeros((seqs, gen_len)), jnp.zeros((seqs, gen_len), jnp.float32),
+                 zeros((seqs, gen_len)))}
+    c = jax.lax.while_loop(running, step, c)
+    return (*c["out"], c["n"], c["steps"])
+
+
 # XLA:TPU's memory-space assignment (MSA) copies a buffer into the chip's VMEM ahead of a use
 # when its cost model expects the use to gain. In the decode loop it picked every layer's whole
 # KV cache, read once per step by that layer's attention: a copy (or four sliced copies) of the
@@ -150,17 +275,21 @@ TPU_DECODE_OPTIONS = {"xla_tpu_msa_inefficient_use_to_copy_ratio": 1.0}
 
 
 @cache
-def _program(tpu: bool, options: tuple) -> Callable:
-    static = ("graphdef", "gen_len", "group", "phases", "kv_int8")
-    return jax.jit(_generate_impl, static_argnames=static,
+def _program(tpu: bool, options: tuple, continuous: bool) -> Callable:
+    impl, static = ((_continuous_impl, ("graphdef", "rows", "gen_len", "group", "refill", "kv_int8"))
+                    if continuous else
+                    (_generate_impl, ("graphdef", "gen_len", "group", "phases", "kv_int8")))
+    return jax.jit(impl, static_argnames=static,
                    compiler_options={**(TPU_DECODE_OPTIONS if tpu else {}), **dict(options)} or None)
 
 
-def generate_program(platform: str | None, options: dict | None = None) -> Callable:
-    """The jitted `_generate_impl` for a platform ("tpu", "cpu", ...): with XLA options of its
-    own where that platform's compiler needs them (TPU_DECODE_OPTIONS), plain elsewhere.
-    `options`: more XLA options over those (a benchmark's A/B), a program of their own."""
-    return _program(platform == "tpu", tuple(sorted((options or {}).items())))
+def generate_program(platform: str | None, options: dict | None = None,
+                     continuous: bool = False) -> Callable:
+    """The jitted `_generate_impl` (`continuous`: `_continuous_impl`) for a platform ("tpu",
+    "cpu", ...): with XLA options of its own where that platform's compiler needs them
+    (TPU_DECODE_OPTIONS), plain elsewhere. `options`: more XLA options over those (a
+    benchmark's A/B), a program of their own."""
+    return _program(platform == "tpu", tuple(sorted((options or {}).items())), continuous)
 
 
 class ProgramShape(NamedTuple):
@@ -345,7 +474,8 @@ class JaxEngine:
                  version: int = 0, seed: int = 0, copy_weights: bool = False,
                  pack_prefill: bool = True, decode_phases: int = DECODE_PHASES,
                  unroll_layers: bool = True, kv_cache_dtype: str = "auto", max_rows: int = 0,
-                 lora_scale: float | None = None, reuse_programs: bool | None = None):
+                 lora_scale: float | None = None, reuse_programs: bool | None = None,
+                 continuous_batching: bool = False):
         self.graphdef, self.state = nnx.split(model)
         self.cfg = model.cfg
         # `_take(state[, into])`: the engine's own copy of a state in the layout the model was
@@ -364,6 +494,10 @@ class JaxEngine:
         self.kv_int8 = kv_cache_dtype == "int8"
         # at most this many sampled rows (prompts x n) per decode program, 0: all at once
         self.max_rows = max_rows
+        # a request of more rows than that: finished rows refilled (`_continuous_impl`) instead
+        # of calls one after another, each as long as its longest row
+        self.continuous_batching = continuous_batching
+        self.last_decode_steps = 0  # decode steps of the last request (all its calls)
         # the decode programs compiled so far, and whether a request may run in a bigger one
         self.programs: set[ProgramShape] = set()
         self.reuse_programs = (jax.default_backend() != "cpu" if reuse_programs is None
@@ -484,9 +618,14 @@ class JaxEngine:
         `max_rows`, over calls of at most that many rows (prompts x n) of one program each,
         whose KV cache is then that many rows' (a seeded request: a seed per call)."""
         prompts = [list(p) for p in prompt_token_ids]
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt")
         per_call = max(1, self.max_rows // params.n) if self.max_rows else len(prompts)
+        self.last_decode_steps = 0
         if len(prompts) <= per_call:
             return self._generate(prompts, params)
+        if self.continuous_batching:
+            return self._generate_continuous(prompts, params, per_call)
         out = []
         for c, i in enumerate(range(0, len(prompts), per_call)):
             p = params if params.seed is None else replace(params, seed=params.seed + 7919 * c)
@@ -496,16 +635,13 @@ class JaxEngine:
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams,
                   min_prompts: int = 1) -> list[Rollout]:
-        rows = [p for p in prompts for _ in range(params.n)]
-        if not rows:
+        if not prompts:
             return []
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt")
         # each prompt prefilled once for its n samples; a call's rows bucketed to at least
         # `min_prompts`' (the last of a split request compiles nothing new)
         u = bucket_rows(max(len(prompts), min_prompts), minimum=max(1, -(-8 // params.n)))
         tp = bucket_up(max(len(p) for p in prompts))
-        stop = sorted(set(() if params.ignore_eos else self.eos) | set(params.stop_token_ids))
+        stop = self._stop_ids(params)
         packing = pack_prompts(prompts, u, tp) if self.pack_prefill else None
         shape = ProgramShape(u, tp, bucket_mult(params.max_tokens), params.n,
                              bucket_pow2(len(stop), 4),
@@ -513,29 +649,68 @@ class JaxEngine:
         if self.reuse_programs and shape not in self.programs:
             shape, packing = fitting_program(self.programs, shape, prompts) or (shape, packing)
         self.programs.add(shape)
-        tokens = np.zeros((shape.prompts, shape.prompt_len), np.int32)
-        lens = np.ones((shape.prompts,), np.int32)
-        for i, r in enumerate(prompts):
-            tokens[i, : len(r)] = r
-            lens[i] = len(r)
-        stop_ids = np.full((shape.stops,), -1, np.int32)
-        stop_ids[: len(stop)] = stop
+        tokens, lens = _padded(prompts, shape.prompts, shape.prompt_len)
+        out_t, out_lp, out_k, n = jax.device_get(generate_program(self._platform())(
+            self.graphdef, self.state, tokens, lens, self._key(params),
+            *self._sampling_args(params, stop, shape.stops), gen_len=shape.gen_len,
+            group=shape.group, phases=phase_ends(shape.gen_len, self.decode_phases),
+            kv_int8=self.kv_int8,
+            packing=None if packing is None else jax.tree.map(jnp.asarray, packing)))
+        self.last_decode_steps += int(n.max(initial=1)) - 1  # the lockstep runs to its longest
+        return self._rollouts(prompts, params, stop, shape.group, out_t, out_lp, out_k, n)
+
+    def _generate_continuous(self, prompts: list[list[int]], params: SamplingParams,
+                             per_call: int) -> list[Rollout]:
+        """All of a request's rows through one `_continuous_impl` program whose cache holds
+        `per_call` prompts' groups, a prompt's samples started as soon as a group of rows is
+        free. Shapes bucketed as a call's (prompts to `bucket_rows`, with room for the refill
+        that reads past the last prompt)."""
+        refill = max(1, per_call // 8)  # prompts per refill: one group in GRPO's 8 per call
+        slots = bucket_rows(len(prompts) + refill - 1)
+        tp = bucket_up(max(len(p) for p in prompts))
+        stop = self._stop_ids(params)
+        tokens, lens = _padded(prompts, slots, tp)
+        out_t, out_lp, out_k, n, steps = jax.device_get(
+            generate_program(self._platform(), continuous=True)(
+                self.graphdef, self.state, tokens, lens, jnp.int32(len(prompts)),
+                self._key(params), *self._sampling_args(params, stop, bucket_pow2(len(stop), 4)),
+                rows=per_call * params.n, gen_len=bucket_mult(params.max_tokens),
+                group=params.n, refill=refill, kv_int8=self.kv_int8))
+        self.last_decode_steps = int(steps)
+        return self._rollouts(prompts, params, stop, params.n, out_t, out_lp, out_k, n)
+
+    def _stop_ids(self, params: SamplingParams) -> list[int]:
+        return sorted(set(() if params.ignore_eos else self.eos) | set(params.stop_token_ids))
+
+    def _platform(self) -> str:
+        return next(iter(jax.tree.leaves(self.state)[0].devices())).platform
+
+    def _key(self, params: SamplingParams) -> jax.Array:
         seed = params.seed
         if seed is None:  # a seeded request (the probe's) leaves the unseeded stream as it was
             seed = self._seed * 1_000_003 + self._calls
             self._calls += 1
-        platform = next(iter(jax.tree.leaves(self.state)[0].devices())).platform
-        out_t, out_lp, out_k, n = jax.device_get(generate_program(platform)(
-            self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(lens), jax.random.key(seed),
-            jnp.float32(params.temperature), jnp.int32(params.top_k), jnp.float32(params.top_p),
-            jnp.bool_(params.logprobs == "full"), jnp.int32(params.max_tokens),
-            jnp.asarray(stop_ids), gen_len=shape.gen_len, group=shape.group,
-            phases=phase_ends(shape.gen_len, self.decode_phases), kv_int8=self.kv_int8,
-            packing=None if packing is None else jax.tree.map(jnp.asarray, packing)))
+        return jax.random.key(seed)
+
+    @staticmethod
+    def _sampling_args(params: SamplingParams, stop: list[int], stop_slots: int) -> tuple:
+        """temperature, top_k, top_p, full, max_new, stop_ids: a decode program's traced
+        sampling arguments."""
+        stop_ids = np.full((stop_slots,), -1, np.int32)
+        stop_ids[: len(stop)] = stop
+        return (jnp.float32(params.temperature), jnp.int32(params.top_k),
+                jnp.float32(params.top_p), jnp.bool_(params.logprobs == "full"),
+                jnp.int32(params.max_tokens), jnp.asarray(stop_ids))
+
+    def _rollouts(self, prompts, params: SamplingParams, stop: list[int], group: int,
+                  out_t, out_lp, out_k, n) -> list[Rollout]:
+        """The rollouts of a decode program's outputs, whose row i * group + s holds sample s
+        of prompt i: n samples of each prompt in order, cut at a stop string."""
         out = []
         stop_set = set(stop)
-        for j, r in enumerate(rows):
-            i = j // params.n * shape.group + j % params.n  # sample j % n of prompt j // n
+        for j in range(len(prompts) * params.n):
+            r = prompts[j // params.n]
+            i = j // params.n * group + j % params.n  # sample j % n of prompt j // n
             k = int(n[i])
             ids = out_t[i, :k].tolist()
             finish = "stop" if k and ids[-1] in stop_set else "length"
@@ -553,3 +728,14 @@ class JaxEngine:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _padded(prompts: list[list[int]], rows: int, length: int) -> tuple[jax.Array, jax.Array]:
+    """The prompts right-padded into [rows, length] tokens, and their lengths (1 past the last
+    prompt: a padded row prefills a token)."""
+    tokens = np.zeros((rows, length), np.int32)
+    lens = np.ones((rows,), np.int32)
+    for i, r in enumerate(prompts):
+        tokens[i, : len(r)] = r
+        lens[i] = len(r)
+    return jnp.asarray(tokens), jnp.asarray(lens)

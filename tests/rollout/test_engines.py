@@ -534,6 +534,46 @@ def test_max_rows_splits_a_request_into_calls_of_one_program(setup):
     assert_same_samples(model, got, whole, sp)
 
 
+def test_continuous_batching_decodes_each_sequence_as_if_alone(setup):
+    """`rollout.continuous_batching`: a request of more rows than `max_rows` decodes over one
+    cache whose finished rows are refilled with the next prompts' samples (a ring of slots,
+    each sequence under its own segment id). Greedy, with stop tokens that end rows at uneven
+    lengths: the same completions, finish reasons and prompt indices as the whole request in
+    one call, log-probs within 1e-5 (fp32 order; INT8_FLIP_TOL for int8 caches, which quantize
+    keys computed in another order), over every cache layout; in fewer decode steps than the
+    calls one after another (the refill is what it is for). Sampled (temperature 1, top-p 0.9):
+    the trainer's log-probs of the drawn tokens, its kept sets replayed, equal the engine's."""
+    d, _, tok, _ = setup
+    if from_pretrained(d).cfg.arch != "qwen3":
+        pytest.skip("the refill is architecture-blind: Qwen3 covers it")
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 512, int(rng.integers(2, 40))).tolist() for _ in range(13)]
+    stops = list(range(3, 512, 7))
+    for layout, kv, n in (("ds", "auto", 2), ("sd", "int8", 3), ("skbd", "auto", 4)):
+        model = from_pretrained(d, kv_layout=layout)
+        sp = SamplingParams(temperature=0, max_tokens=40, n=n, ignore_eos=True,
+                            stop_token_ids=stops)
+        whole = JaxEngine(model, tok, pack_prefill=False, kv_cache_dtype=kv).generate(prompts, sp)
+        lens = [len(r.token_ids) for r in whole]
+        assert min(lens) < 10 and max(lens) == 40, lens  # uneven rows: something to refill
+        calls, cont = (JaxEngine(model, tok, pack_prefill=False, kv_cache_dtype=kv,
+                                 max_rows=4 * n, continuous_batching=c) for c in (False, True))
+        calls.generate(prompts, sp)
+        got = cont.generate(prompts, sp)
+        assert cont.last_decode_steps < calls.last_decode_steps, (layout, kv)
+        assert [(r.prompt_index, r.token_ids, r.finish_reason) for r in got] == \
+            [(r.prompt_index, r.token_ids, r.finish_reason) for r in whole], (layout, kv)
+        gap = max(np.abs(np.subtract(a.logprobs, b.logprobs)).max() for a, b in zip(whole, got))
+        assert gap <= (1e-5 if kv == "auto" else INT8_FLIP_TOL), (layout, kv, gap)
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, n=2, stop_token_ids=stops)
+    model = from_pretrained(d)
+    got = JaxEngine(model, tok, max_rows=6, continuous_batching=True).generate(prompts, sp)
+    assert [r.prompt_index for r in got] == [i // 2 for i in range(26)]
+    assert len({tuple(r.token_ids) for r in got}) > 13  # a sample per row, not copies
+    trainer, engine, mask = trainer_side(model, got, sp)
+    assert np.abs(trainer - engine)[mask].max() <= 1e-4
+
+
 def test_a_request_runs_in_a_compiled_program_that_holds_it(setup):
     """`rollout.reuse_programs`: a request with no program of its own shape runs in the
     cheapest compiled one that holds it (more prompts, samples, prompt and generation slots;
