@@ -457,11 +457,26 @@ class RolloutSection(Strict):
                           "sequences (prompts x group_size) per decode program, the rest in "
                           "further calls of the same program: the KV cache is this many rows' "
                           "(`posttrain plan` counts it); 0: all of a step's at once")
+    continuous_batching: bool = Field(
+        False, description="JAX engine, with max_rows: a step's rows decode over one cache of "
+        "max_rows rows whose finished rows are refilled with the next prompts' samples (one "
+        "prefill per prompt's group), instead of calls one after another, each as long as its "
+        "longest row. Pays when completion lengths are uneven (`python -m "
+        "benchmarks.continuous_batching`); each step then attends over prompt + max_tokens "
+        "slots, where the calls' phased decode reads only the slots filled so far")
     kv_cache_dtype: Literal["auto", "int8"] = Field(
         "auto", description="JAX engine: the KV cache in the compute dtype (auto), or in int8 "
         "with a scale per token and KV head: half a bf16 cache's memory and bytes read per "
         "decode step (256 x (128 + 512) tokens of a 0.6B model need 18.8 GB in bf16, 9.7 in "
         "int8); log-probs move by ~5e-3 (the probe's bound is then bf16's)")
+
+    @model_validator(mode="after")
+    def _continuous_batching_needs_rows(self):
+        if self.continuous_batching and (self.engine != "jax" or not self.max_rows):
+            raise ValueError("continuous_batching refills the JAX engine's rows: it needs "
+                             f"engine: jax and max_rows > 0 (engine {self.engine!r}, max_rows "
+                             f"{self.max_rows}; vLLM batches continuously on its own)")
+        return self
 
     @model_validator(mode="after")
     def _transport_reaches_engines(self):

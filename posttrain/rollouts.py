@@ -255,6 +255,7 @@ def build_engines(cfg: RunConfig, trainer, tokenizer, run_dir: Path):
         return JaxEngine(trainer.policy(), tokenizer, seed=cfg.seed, copy_weights=True,
                          decode_phases=r.decode_phases, unroll_layers=r.unroll_layers,
                          kv_cache_dtype=r.kv_cache_dtype, max_rows=r.max_rows,
+                         continuous_batching=r.continuous_batching,
                          lora_scale=cfg.model.lora.scale, reuse_programs=r.reuse_programs)
     trainer.save_hf(hf_dir, lora_scale=cfg.model.lora.scale)
     tokenizer.save_pretrained(hf_dir)
@@ -291,6 +292,7 @@ def build_engines(cfg: RunConfig, trainer, tokenizer, run_dir: Path):
             "scan_layers": trainer.model_cfg.scan_layers, "decode_phases": r.decode_phases,
             "unroll_layers": r.unroll_layers, "kv_cache_dtype": r.kv_cache_dtype,
             "max_rows": r.max_rows, "reuse_programs": r.reuse_programs,
+            "continuous_batching": r.continuous_batching,
             "num_gpus": gpus, "vllm": vllm}
     group = WorkerGroup(spec, r.num_workers, request_timeout_s=r.request_timeout_s)
     if standins and vllm["weight_transfer"]:

@@ -43,6 +43,7 @@ def build_engine(spec: dict[str, Any]):
                          seed=spec.get("seed", 0), unroll_layers=unroll,
                          kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
                          max_rows=spec.get("max_rows", 0),
+                         continuous_batching=spec.get("continuous_batching", False),
                          reuse_programs=spec.get("reuse_programs"),
                          decode_phases=spec.get("decode_phases", DECODE_PHASES))
     if kind == "vllm":

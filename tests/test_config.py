@@ -201,6 +201,9 @@ def test_validate_checks_a_fixed_mesh_against_the_count_it_names():
      "its tensor-parallel ranks are processes of their own; use vllm_ipc"),
     (dict(engine="jax", sleep_level=1), "only a colocated vLLM engine sleeps"),
     (dict(engine="vllm", sleep_level=2, probe=False), "sleep_level needs probe: true"),
+    (dict(engine="jax", continuous_batching=True), "needs engine: jax and max_rows > 0"),
+    (dict(engine="vllm", continuous_batching=True, max_rows=64), "vLLM batches continuously"),
+    (dict(engine="jax", continuous_batching=True, max_rows=64), None),
     (dict(engine="vllm", transport="vllm_ipc", tensor_parallel_size=8), None),
     (dict(engine="vllm", placement="disaggregated", transport="vllm_nccl"), None)])
 def test_vllm_transports_must_match_engine_placement_and_parallelism(rollout, error):
