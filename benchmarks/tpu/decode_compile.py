@@ -9,7 +9,9 @@ SHAPE:BATCHxPROMPT+NEW with `benchmarks.tpu.decode`'s options (`+effort=X`, `+in
 for the scanned layers' program, default unrolled as the engine decodes; `+attn=pallas`, the
 Pallas decode kernel, which with `+scan` reads each layer of the stacked cache in place) and
 `+phases=N` (`rollout.decode_phases`, default 4), `+layers=L` (fewer layers of the shape: how
-the compile grows with depth), `+step` (instead: one decode step, the model's forward of one
+the compile grows with depth), `+cb=G` (the continuous-batching program instead,
+`rollout.continuous_batching`: BATCH rows refilled with G samples per prompt from 4 x BATCH / G
+prompts, a ring of PROMPT + NEW slots), `+step` (instead: one decode step, the model's forward of one
 token over a cache of PROMPT + NEW slots and the sampler at temperature 1 over the whole
 vocabulary, with XLA's count of the bytes it accesses: HBM traffic without the chip). Each
 configuration lowers and compiles the engine's TPU program (`rollout.jax_engine.generate_program`;
@@ -42,11 +44,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def parse(config: str) -> tuple[str, int, int, int, dict]:
     """`benchmarks.tpu.decode`'s configuration, plus `+phases=N`, `+layers=L` and `+step`."""
     head, *opts = config.split("+")
-    own, rest = {"phases": 4, "layers": None, "step": False}, []
+    own, rest = {"phases": 4, "layers": None, "step": False, "cb": 0}, []
     for opt in opts:
         if opt == "step":
             own["step"] = True
-        elif opt.startswith(("phases=", "layers=")):
+        elif opt.startswith(("phases=", "layers=", "cb=")):
             k, v = opt.split("=")
             own[k] = int(v)
         else:
@@ -66,7 +68,7 @@ def run_one(config: str, save: str | None = None) -> dict:
     from posttrain.models import CausalLM
     from posttrain.models.layers import building_for
     from posttrain.plan import target_devices
-    from rollout.jax_engine import generate_program, phase_ends
+    from rollout.jax_engine import bucket_rows, generate_program, phase_ends
 
     shape, b, p, new, o = parse(config)
     jax.config.update("jax_exec_time_optimization_effort", o["effort"])
@@ -87,13 +89,25 @@ def run_one(config: str, save: str | None = None) -> dict:
         key = abstract(key.shape, key.dtype)
         if o["step"]:
             return {"config": config, **step_cost(graphdef, state, cfg, b, p + new, key, abstract)}
-        phases = phase_ends(new, o["phases"])
+        phases = () if o["cb"] else phase_ends(new, o["phases"])
+        program = generate_program("tpu" if o["msa"] == "engine" else None, o["xla"],
+                                   continuous=bool(o["cb"]))
+        sampling = (key, abstract((), jnp.float32), abstract((), jnp.int32),
+                    abstract((), jnp.float32), abstract((), jnp.bool_), abstract((), jnp.int32),
+                    abstract((4,), jnp.int32))
         t0 = time.perf_counter()
-        lowered = generate_program("tpu" if o["msa"] == "engine" else None, o["xla"]).lower(
-            graphdef, state, abstract((b, p), jnp.int32), abstract((b,), jnp.int32),
-            key, abstract((), jnp.float32), abstract((), jnp.int32),
-            abstract((), jnp.float32), abstract((), jnp.bool_), abstract((), jnp.int32),
-            abstract((4,), jnp.int32), gen_len=new, group=1, phases=phases, kv_int8=o["int8"])
+        if o["cb"]:  # as `JaxEngine._generate_continuous` calls it
+            group = o["cb"]
+            refill = max(1, b // group // 8)
+            prompts = bucket_rows(4 * b // group + refill - 1)
+            lowered = program.lower(
+                graphdef, state, abstract((prompts, p), jnp.int32), abstract((prompts,), jnp.int32),
+                abstract((), jnp.int32), *sampling, rows=b, gen_len=new, group=group,
+                refill=refill, kv_int8=o["int8"])
+        else:
+            lowered = program.lower(
+                graphdef, state, abstract((b, p), jnp.int32), abstract((b,), jnp.int32),
+                *sampling, gen_len=new, group=1, phases=phases, kv_int8=o["int8"])
         t1 = time.perf_counter()
         compiled = lowered.compile()
         t2 = time.perf_counter()
@@ -104,8 +118,8 @@ def run_one(config: str, save: str | None = None) -> dict:
     kh, hd = cfg.num_key_value_heads, cfg.head_dim  # [B, K, S, D] or (skbd) [S, K, B, D]
     kv_shape = rf"(bf16|s8)\[({b},{kh},\d+,{hd}|\d+,{kh},{b},{hd})\]"
     return {"config": config, "layers": cfg.num_hidden_layers, "scan_layers": o["scan"],
-            "phases": list(phases), "kv_int8": o["int8"], "attention": o["attn"], "msa": o["msa"],
-            "xla_options": o["xla"], "lower_s": t1 - t0,
+            "phases": list(phases), "continuous_group": o["cb"], "kv_int8": o["int8"],
+            "attention": o["attn"], "msa": o["msa"], "xla_options": o["xla"], "lower_s": t1 - t0,
             "compile_s": t2 - t1, "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
             "kv_vmem_copies_per_step": sorted(loop_vmem_copies(text, kv_shape).values())}
 
