@@ -192,7 +192,7 @@ def run_grpo(cfg: RunConfig, run_dir: Path) -> dict:
                 m.update({"policy_version": float(step + 1), "time/step": time.perf_counter() - t0,
                           **sync})
                 if isinstance(engine, JaxEngine):  # in process: its compiled decode programs
-                    m["rollout/decode_programs"] = float(len(engine.programs))
+                    m["rollout/decode_programs"] = float(engine.decode_programs)
                 if cfg.eval.every and (step + 1) % cfg.eval.every == 0 or step + 1 == t.steps:
                     with dog.waiting(f"evaluation at step {step + 1}"):
                         m.update(evaluate(cfg, engine, tokenizer, pool, eval_rows, env))

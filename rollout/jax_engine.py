@@ -498,6 +498,7 @@ class JaxEngine:
         # of calls one after another, each as long as its longest row
         self.continuous_batching = continuous_batching
         self.last_decode_steps = 0  # decode steps of the last request (all its calls)
+        self.continuous_shapes: set[tuple] = set()  # the continuous programs' static shapes
         # the decode programs compiled so far, and whether a request may run in a bigger one
         self.programs: set[ProgramShape] = set()
         self.reuse_programs = (jax.default_backend() != "cpu" if reuse_programs is None
@@ -670,14 +671,21 @@ class JaxEngine:
         tp = bucket_up(max(len(p) for p in prompts))
         stop = self._stop_ids(params)
         tokens, lens = _padded(prompts, slots, tp)
+        stop_slots, gen_len = bucket_pow2(len(stop), 4), bucket_mult(params.max_tokens)
+        self.continuous_shapes.add((slots, tp, gen_len, per_call, params.n, stop_slots))
         out_t, out_lp, out_k, n, steps = jax.device_get(
             generate_program(self._platform(), continuous=True)(
                 self.graphdef, self.state, tokens, lens, jnp.int32(len(prompts)),
-                self._key(params), *self._sampling_args(params, stop, bucket_pow2(len(stop), 4)),
-                rows=per_call * params.n, gen_len=bucket_mult(params.max_tokens),
-                group=params.n, refill=refill, kv_int8=self.kv_int8))
+                self._key(params), *self._sampling_args(params, stop, stop_slots),
+                rows=per_call * params.n, gen_len=gen_len, group=params.n, refill=refill,
+                kv_int8=self.kv_int8))
         self.last_decode_steps = int(steps)
         return self._rollouts(prompts, params, stop, params.n, out_t, out_lp, out_k, n)
+
+    @property
+    def decode_programs(self) -> int:
+        """How many decode programs this engine has run (compiled, or found compiled)."""
+        return len(self.programs) + len(self.continuous_shapes)
 
     def _stop_ids(self, params: SamplingParams) -> list[int]:
         return sorted(set(() if params.ignore_eos else self.eos) | set(params.stop_token_ids))
