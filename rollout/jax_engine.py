@@ -8,8 +8,10 @@ prefilled packed several to a row, then laid out one per cache row. The decode r
 phases (one loop each) over a cache that grows between them, so a step reads only the slots
 that can be filled by then (`phase_ends`). Shapes are bucketed (rows to a power of two up to
 64, then a multiple of 64; prompt and generation lengths to multiples of 32) so a new batch
-rarely compiles. With a sharded model the same function runs
-over the mesh.
+rarely compiles. A request of more rows than `max_rows` runs as calls of that many rows, or,
+with `continuous_batching`, through one program whose finished rows are refilled with the next
+prompts' samples (`_continuous_impl`). With a sharded model the same functions run over the
+mesh.
 """
 
 from __future__ import annotations
