@@ -53,7 +53,8 @@ LEARNS = [
 
 @pytest.mark.slow
 def test_grpo_tiny_learns(base, tmp_path):
-    """Each case of LEARNS learns; the runs go at the same time (`run_together`: their
+    """Each case of LEARNS learns (the JAX engines with continuous batching in their Ray
+    workers: `rollout.continuous_batching`); the runs go at the same time (`run_together`: their
     start-up, compiles and Ray overlap: 180 s, against 120 s and 82 s one after the other)."""
     runs = {}
     for engine, placement, off_policy, top_p in LEARNS:
@@ -61,6 +62,9 @@ def test_grpo_tiny_learns(base, tmp_path):
             f"stages.1.rollout.engine={engine}", f"stages.1.rollout.placement={placement}",
             f"stages.1.async.off_policy_steps={off_policy}", f"stages.1.grpo.top_p={top_p}",
             "stages.1.rollout.num_workers=2",
+            # the JAX workers' 32 rows each (4 prompts x 8) through 16 refilled rows
+            *(["stages.1.rollout.max_rows=16", "stages.1.rollout.continuous_batching=true"]
+              if engine == "jax" else []),
             "rewards.functions=[{fn: tests/rewards_for_tests.py:says_seven}]",
             "stages.1.rollout.enforce_eager=true"])  # quick vLLM start in tests
     run_together(*runs.values())
