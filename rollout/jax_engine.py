@@ -110,8 +110,7 @@ def _generate_impl(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, 
         out_lp = out_lp.at[:, i].set(jnp.where(done, 0.0, lp))
         out_k = out_k.at[:, i].set(kept)
         n = n + (~done).astype(jnp.int32)
-        hit_stop = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
-        done = done | hit_stop | (i + 1 >= max_new)
+        done = done | hits_stop(tok, stop_ids) | (i + 1 >= max_new)
         return i, cache, tok, out_t, out_lp, out_k, done, n
 
     def body(c):
@@ -132,6 +131,17 @@ def _generate_impl(graphdef, state, tokens_bt, lens_b, key, temperature, top_k, 
         c = jax.lax.while_loop(partial(cond, end=end), body, c)
     _, _, _, out_t, out_lp, out_k, _, n = c
     return out_t, out_lp, out_k, n
+
+
+def hits_stop(tok_b, stop_ids):
+    """[B]: whether each token is one of `stop_ids` (padded with -1, which no token is)."""
+    return jnp.any(tok_b[:, None] == stop_ids[None, :], axis=-1)
+
+
+def refill_prompts(per_call: int) -> int:
+    """Prompts one refill of `_continuous_impl` prefills, for a cache of `per_call` prompts'
+    groups: an eighth of them (one group in GRPO's 8 prompts per call)."""
+    return max(1, per_call // 8)
 
 
 def _prefill(model, tokens_bt, lens_b, slots: int, kv_dtype=None):
@@ -194,9 +204,6 @@ def _continuous_impl(graphdef, state, tokens_pt, lens_p, n_prompts, key, tempera
         return (out_t.at[seq, i].set(tok, mode="drop"), out_lp.at[seq, i].set(lp, mode="drop"),
                 out_k.at[seq, i].set(kept, mode="drop"))
 
-    def stops(tok):
-        return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
-
     def can_refill(c):
         waiting = jnp.minimum(n_prompts - c["next"], refill)
         return (waiting > 0) & (jnp.sum(~c["live"]) >= waiting * group)
@@ -224,7 +231,7 @@ def _continuous_impl(graphdef, state, tokens_pt, lens_p, n_prompts, key, tempera
                                full)
         tok = tok.astype(jnp.int32)
         seq = jnp.where(real, seq, seqs)
-        done = stops(tok) | (max_new <= 1)
+        done = hits_stop(tok, stop_ids) | (max_new <= 1)
 
         def at_rows(x, value):
             return x.at[target].set(value, mode="drop")
@@ -248,7 +255,8 @@ def _continuous_impl(graphdef, state, tokens_pt, lens_p, n_prompts, key, tempera
         seq = jnp.where(live, c["seq"], seqs)
         return {**c, "cache": cache, "out": record(c["out"], seq, i, tok, lp, kept),
                 "n": c["n"].at[seq].add(1, mode="drop"), "i": i + 1, "tok": tok,
-                "live": live & ~stops(tok) & (i + 1 < max_new), "steps": c["steps"] + 1}
+                "live": live & ~hits_stop(tok, stop_ids) & (i + 1 < max_new),
+                "steps": c["steps"] + 1}
 
     def running(c):
         return jnp.any(c["live"]) | (c["next"] < n_prompts)
@@ -413,12 +421,9 @@ def score_sequences(model_or_split, sequences: Sequence[Sequence[int]]) -> list[
     scores with the same function). `model_or_split`: a model or its (graphdef, state)."""
     graphdef, state = (nnx.split(model_or_split) if isinstance(model_or_split, nnx.Module)
                        else model_or_split)
-    tokens = np.zeros((bucket_pow2(len(sequences), SCORE_ROWS),
-                       bucket_up(max(max(map(len, sequences)), SCORE_TOKENS))), np.int32)
-    lens = np.ones((tokens.shape[0],), np.int32)
-    for i, s in enumerate(sequences):
-        tokens[i, :len(s)], lens[i] = s, len(s)
-    lp = host_array(_score(graphdef, state, jnp.asarray(tokens), jnp.asarray(lens)))
+    tokens, lens = _padded(sequences, bucket_pow2(len(sequences), SCORE_ROWS),
+                           bucket_up(max(max(map(len, sequences)), SCORE_TOKENS)))
+    lp = host_array(_score(graphdef, state, tokens, lens))
     return [lp[i, :len(s) - 1].tolist() for i, s in enumerate(sequences)]
 
 
@@ -668,7 +673,7 @@ class JaxEngine:
         `per_call` prompts' groups, a prompt's samples started as soon as a group of rows is
         free. Shapes bucketed as a call's (prompts to `bucket_rows`, with room for the refill
         that reads past the last prompt)."""
-        refill = max(1, per_call // 8)  # prompts per refill: one group in GRPO's 8 per call
+        refill = refill_prompts(per_call)
         slots = bucket_rows(len(prompts) + refill - 1)
         tp = bucket_up(max(len(p) for p in prompts))
         stop = self._stop_ids(params)
@@ -740,9 +745,10 @@ class JaxEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def _padded(prompts: list[list[int]], rows: int, length: int) -> tuple[jax.Array, jax.Array]:
-    """The prompts right-padded into [rows, length] tokens, and their lengths (1 past the last
-    prompt: a padded row prefills a token)."""
+def _padded(prompts: Sequence[Sequence[int]], rows: int, length: int
+            ) -> tuple[jax.Array, jax.Array]:
+    """The prompts (or sequences) right-padded into [rows, length] tokens, and their lengths
+    (1 past the last: a padded row runs one token)."""
     tokens = np.zeros((rows, length), np.int32)
     lens = np.ones((rows,), np.int32)
     for i, r in enumerate(prompts):

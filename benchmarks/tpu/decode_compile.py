@@ -68,7 +68,7 @@ def run_one(config: str, save: str | None = None) -> dict:
     from posttrain.models import CausalLM
     from posttrain.models.layers import building_for
     from posttrain.plan import target_devices
-    from rollout.jax_engine import bucket_rows, generate_program, phase_ends
+    from rollout.jax_engine import bucket_rows, generate_program, phase_ends, refill_prompts
 
     shape, b, p, new, o = parse(config)
     jax.config.update("jax_exec_time_optimization_effort", o["effort"])
@@ -98,7 +98,7 @@ def run_one(config: str, save: str | None = None) -> dict:
         t0 = time.perf_counter()
         if o["cb"]:  # as `JaxEngine._generate_continuous` calls it
             group = o["cb"]
-            refill = max(1, b // group // 8)
+            refill = refill_prompts(b // group)
             prompts = bucket_rows(4 * b // group + refill - 1)
             lowered = program.lower(
                 graphdef, state, abstract((prompts, p), jnp.int32), abstract((prompts,), jnp.int32),
